@@ -1,0 +1,203 @@
+"""Backend discovery through pluggy, used only at setup time.
+
+Note:
+    pluggy finds backend *classes* (built-ins first, then plugins from the
+    ``zero3.comm`` entry-point group); once :func:`create_backend` has returned an
+    instance, collectives are plain method calls. Nothing on the hot path goes through
+    pluggy, the same split tox uses for its backend registration.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pluggy
+import torch
+import torch.distributed as dist
+
+from zero3.comm._backend import CommBackend
+from zero3.comm._types import BackendUnavailableError, UnknownBackendError
+
+__all__ = [
+    "BackendRegistry",
+    "create_backend",
+    "default_device_type",
+    "hookimpl",
+    "hookspec",
+    "registered_backends",
+    "available_backends",
+]
+
+PROJECT = "zero3.comm"
+ENTRY_POINT_GROUP = "zero3.comm"
+
+#: Marker for plugin hook implementations (``@zero3.comm.hookimpl``).
+hookimpl = pluggy.HookimplMarker(PROJECT)
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+_DEFAULT_BY_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+class BackendRegistry:
+    """Name → backend class table filled by ``zero3_comm_register_backends`` hooks."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type[CommBackend]] = {}
+
+    def register(
+        self, name: str, backend_cls: type[CommBackend], *, override: bool = False
+    ) -> None:
+        """Register ``backend_cls`` under ``name``.
+
+        Args:
+            name: The name users pass to :func:`create_backend`.
+            backend_cls: A :class:`~zero3.comm.CommBackend` subclass.
+            override: Replace an existing registration of the same name. Without it a
+                duplicate name is an error, so two plugins never silently shadow each other.
+
+        Raises:
+            TypeError: ``backend_cls`` is not a CommBackend subclass.
+            ValueError: ``name`` is already registered and ``override`` is False.
+        """
+        if not (isinstance(backend_cls, type) and issubclass(backend_cls, CommBackend)):
+            raise TypeError(
+                f"backend {name!r}: {backend_cls!r} is not a subclass of zero3.comm.CommBackend"
+            )
+        if not name or not isinstance(name, str):
+            raise ValueError(f"backend name must be a non-empty string, got {name!r}")
+        existing = self._classes.get(name)
+        if existing is not None and existing is not backend_cls and not override:
+            raise ValueError(
+                f"comm backend {name!r} is already registered by "
+                f"{existing.__module__}.{existing.__qualname__}; pass override=True to "
+                f"registry.register() to replace it with {backend_cls.__qualname__}"
+            )
+        self._classes[name] = backend_cls
+
+    def get(self, name: str) -> type[CommBackend]:
+        """Return the class registered under ``name``.
+
+        Raises:
+            UnknownBackendError: Nothing is registered under ``name``.
+        """
+        try:
+            return self._classes[name]
+        except KeyError:
+            known = ", ".join(sorted(self._classes)) or "(none)"
+            raise UnknownBackendError(
+                f"unknown comm backend {name!r}; registered backends: {known}. "
+                "Plugins register more through the 'zero3.comm' entry-point group."
+            ) from None
+
+    def names(self) -> list[str]:
+        """Registered names in registration order."""
+        return list(self._classes)
+
+
+class _Specs:
+    @hookspec
+    def zero3_comm_register_backends(self, registry: BackendRegistry) -> None:  # type: ignore[empty-body]
+        """Register backend classes with ``registry.register(name, cls, override=False)``."""
+
+    @hookspec(firstresult=True)
+    def zero3_comm_default_backend(self, device_type: str) -> str | None:  # type: ignore[empty-body]
+        """Return the backend name ``"auto"`` should mean on ``device_type``, or None."""
+
+
+class _State:
+    lock = threading.Lock()
+    manager: pluggy.PluginManager | None = None
+    registry: BackendRegistry | None = None
+
+
+def _load() -> tuple[pluggy.PluginManager, BackendRegistry]:
+    with _State.lock:
+        if _State.manager is None or _State.registry is None:
+            from zero3.comm import _builtin
+
+            manager = pluggy.PluginManager(PROJECT)
+            manager.add_hookspecs(_Specs)
+            manager.register(_builtin, name="zero3.comm.builtin")
+            try:
+                manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+            except Exception as exc:  # a broken plugin must say which one
+                raise RuntimeError(
+                    f"loading a zero3.comm plugin from the {ENTRY_POINT_GROUP!r} entry-point "
+                    f"group failed: {exc!r}"
+                ) from exc
+            registry = BackendRegistry()
+            manager.hook.zero3_comm_register_backends(registry=registry)
+            _State.manager, _State.registry = manager, registry
+        return _State.manager, _State.registry
+
+
+def _reset_registry() -> None:
+    """Forget the loaded registry (tests that install plugins at run time use this)."""
+    with _State.lock:
+        _State.manager = None
+        _State.registry = None
+
+
+def registered_backends() -> list[str]:
+    """Names of every registered backend, built-ins first, usable here or not."""
+    return _load()[1].names()
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends that can run on this machine."""
+    registry = _load()[1]
+    return [name for name in registry.names() if registry.get(name).is_available()]
+
+
+def default_device_type() -> str:
+    """The accelerator this process would use: ``"cuda"``, ``"npu"`` or ``"cpu"``."""
+    if torch.cuda.is_available():
+        return "cuda"
+    npu = getattr(torch, "npu", None)  # present only when torch_npu is loaded
+    if npu is not None and npu.is_available():
+        return "npu"
+    return "cpu"
+
+
+def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
+    device_type = default_device_type()
+    chosen = manager.hook.zero3_comm_default_backend(device_type=device_type)
+    if chosen:
+        return str(chosen)
+    if device_type == "cpu" and not dist.is_initialized():
+        # Under mpiexec with no torch launcher variables, MPI is the only rendezvous.
+        under_mpi = any(v in os.environ for v in _MPI_LAUNCH_VARS)
+        has_torch_env = all(v in os.environ for v in ("MASTER_ADDR", "MASTER_PORT"))
+        if under_mpi and not has_torch_env and "mpi" in registry.names():
+            if registry.get("mpi").is_available():
+                return "mpi"
+    return _DEFAULT_BY_DEVICE.get(device_type, "gloo")
+
+
+def create_backend(name: str = "auto", **options: Any) -> CommBackend:
+    """Build a ready backend instance from a registered name.
+
+    Args:
+        name: A registered name (:func:`registered_backends`) or ``"auto"``: a plugin's
+            ``zero3_comm_default_backend`` answer if any, else ``nccl`` on CUDA, ``hccl``
+            on Ascend NPU, ``gloo`` on CPU (``mpi`` when launched by ``mpiexec`` alone).
+        **options: Passed to the backend's constructor, e.g. ``timeout_s=60``.
+
+    Raises:
+        UnknownBackendError: ``name`` is not registered (the message lists those that are).
+        BackendUnavailableError: The backend cannot run here (the message says why).
+    """
+    manager, registry = _load()
+    resolved = _auto_name(manager, registry) if name == "auto" else name
+    cls = registry.get(resolved)
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        available = ", ".join(available_backends()) or "(none)"
+        raise BackendUnavailableError(
+            f"comm backend {resolved!r} is not available here: {reason}. "
+            f"Available backends: {available}"
+        )
+    return cls(**options)

@@ -1,0 +1,83 @@
+"""Small value types shared by every backend: reduction ops, capabilities, errors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "BackendUnavailableError",
+    "Capabilities",
+    "CommError",
+    "CommTimeoutError",
+    "ReduceOp",
+    "UnknownBackendError",
+    "UnsupportedDTypeError",
+]
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by :meth:`~zero3.comm.CommBackend.all_reduce` and ``reduce_scatter``.
+
+    ``AVG`` is the sum divided by the world size. Backends without a native average
+    (MPI, for example) compute it as ``SUM`` followed by an in-place division.
+    """
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+
+
+FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+)
+INT_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.uint8, torch.int8, torch.int32, torch.int64}
+)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; core reads it to pick its communication path.
+
+    Attributes:
+        native_reduce_scatter: The backend has a real reduce-scatter. When False, core's
+            gradient path uses all-reduce followed by a local slice (the seed's §5.2
+            path), which moves twice the bytes.
+        reduce_dtypes: dtypes the backend can reduce (sum/avg/max/min). Gathers and
+            broadcasts move bytes and accept any dtype.
+        needs_progress_helper: Outstanding requests only advance while something polls
+            them (MPI); the backend runs a helper thread for that.
+        async_host: Collectives run asynchronously with respect to the calling host
+            thread (gloo's own thread, an MPI progress thread, a device stream).
+    """
+
+    native_reduce_scatter: bool = True
+    reduce_dtypes: frozenset[torch.dtype] = field(
+        default_factory=lambda: FLOAT_DTYPES | INT_DTYPES
+    )
+    needs_progress_helper: bool = False
+    async_host: bool = True
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, a transport error, or a mismatch between ranks."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A collective did not complete within the backend's timeout."""
+
+
+class UnknownBackendError(LookupError):
+    """No backend is registered under the requested name."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """A registered backend cannot run on this machine (missing library or hardware)."""
+
+
+class UnsupportedDTypeError(TypeError):
+    """The backend cannot reduce tensors of this dtype."""
