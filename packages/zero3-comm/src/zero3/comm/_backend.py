@@ -94,6 +94,18 @@ class CommBackend(abc.ABC):
     def close(self) -> None:
         """Release resources the backend owns (a process group it created, threads)."""
 
+    def duplicate(self) -> CommBackend:
+        """A new backend over the same ranks with an independent collective sequence.
+
+        Every rank of the group must call it, in the same order. zero3 gathers
+        parameters on one instance and reduces gradients on a duplicate, so the two
+        streams of collectives can interleave differently on different ranks (gradient
+        arrival timing is data-dependent) without ever pairing a gather with a
+        reduction. Backends that cannot duplicate raise NotImplementedError; core then
+        defers gradient reductions to the end of backward.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement duplicate()")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 

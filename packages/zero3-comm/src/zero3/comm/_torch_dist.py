@@ -155,6 +155,18 @@ class TorchDistBackend(CommBackend):
     def _before_init(self) -> None:
         """Hook for device backends (select the local device before init)."""
 
+    def duplicate(self) -> TorchDistBackend:
+        # Only the group's own ranks take part (use_local_synchronization), so this works
+        # for subgroups too; it is collective over them.
+        ranks = dist.get_process_group_ranks(self.group)
+        group = dist.new_group(
+            ranks=ranks,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+            backend=self.dist_backend,
+            use_local_synchronization=True,
+        )
+        return type(self)(group=group, timeout_s=self.timeout_s)
+
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,1 +1,36 @@
-"""zero3."""
+"""zero3.core: configuration, partitioned parameters, the prefetch coordinator and
+gradient buckets.
+
+Core knows nothing about module hooks (``zero3.hooks``) or optimizers
+(``zero3.optim``); both drive it through :class:`ShardedModelState`.
+"""
+
+from zero3.core._api import full_grad, gathered_parameters, local_grad, register_external_parameter
+from zero3.core._buckets import GradBucket
+from zero3.core._config import Zero3Config
+from zero3.core._coordinator import ParamCoordinator
+from zero3.core._gather import FingerprintMismatchError
+from zero3.core._params import ParamStatus, ShardedParam, local_shard
+from zero3.core._reducer import GradReducer
+from zero3.core._state import ShardedModelState, sharded_state
+from zero3.core._stats import StepStats
+from zero3.core._trace import TraceState
+
+__all__ = [
+    "FingerprintMismatchError",
+    "GradBucket",
+    "GradReducer",
+    "ParamCoordinator",
+    "ParamStatus",
+    "ShardedModelState",
+    "ShardedParam",
+    "StepStats",
+    "TraceState",
+    "Zero3Config",
+    "full_grad",
+    "gathered_parameters",
+    "local_grad",
+    "local_shard",
+    "register_external_parameter",
+    "sharded_state",
+]

@@ -1,1 +1,31 @@
-"""zero3."""
+"""zero3.hooks: module hooks and ``shard_module`` — sharded forward and backward.
+
+Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inference::
+
+    from zero3.core import Zero3Config
+    from zero3.hooks import shard_module
+
+    model = shard_module(model, Zero3Config(backend="gloo"))
+    with torch.no_grad():
+        logits = model(tokens)
+"""
+
+from zero3.hooks._shard import (
+    ShardedModule,
+    set_leaf_modules,
+    shard_module,
+    stats,
+    unshard_module,
+)
+from zero3.hooks._state_dict import LoadResult, full_state_dict, load_full_state_dict
+
+__all__ = [
+    "LoadResult",
+    "ShardedModule",
+    "full_state_dict",
+    "load_full_state_dict",
+    "set_leaf_modules",
+    "shard_module",
+    "stats",
+    "unshard_module",
+]

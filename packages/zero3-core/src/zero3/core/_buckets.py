@@ -1,0 +1,162 @@
+"""Gradient buckets with membership fixed at setup (seed §3.1, §5.1, §5.2).
+
+Note (same reductions whatever the data):
+    Bucket membership comes from a deterministic parameter order (reverse
+    registration order, which is close to the order backward produces gradients),
+    never from the order gradients happen to arrive: under data-dependent routing that
+    order differs between ranks, and ranks would then pair different buckets in the
+    same collective. Buckets are also *launched* in index order: a bucket whose
+    members have all arrived waits for the buckets before it. Every rank therefore
+    issues the same reductions in the same order. A member that got no gradient on
+    this rank contributes zeros; every bucket is reduced once per backward.
+
+Note (rank-major layout, §5.2):
+    A bucket's flat buffer holds ``N`` regions of ``S`` elements; region ``r`` is
+    chunk ``r`` of every member's padded gradient. One reduce-scatter then leaves each
+    rank exactly its shard of every member, contiguous, in the order of the rank's
+    gradient-partition buffer, so on the first micro-step it is reduced straight into
+    that buffer (the seed's ``copy_``) and on later ones into a scratch region that is
+    added (``add_``). The all-reduce fallback reduces the whole buffer and slices
+    region ``rank`` out: twice the bytes, kept for backends without reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from zero3.core._params import ShardedParam
+
+__all__ = ["GradBucket", "plan_buckets"]
+
+
+@dataclasses.dataclass(eq=False)
+class GradBucket:
+    """A fixed group of parameters whose gradients are reduced in one collective.
+
+    Attributes:
+        index: Launch order (buckets launch strictly in index order).
+        dtype: dtype gradients are reduced and accumulated in.
+        params: Members, in layout order.
+        offsets: Each member's offset (elements) inside one rank region.
+        region_numel: Elements of one rank region (``S``).
+        partition_offset: Where the bucket's region lives in the partition buffer of
+            its dtype.
+        leaf: Index of the leaf module whose subtree owns the members, or None.
+    """
+
+    index: int
+    dtype: torch.dtype
+    params: list[ShardedParam]
+    offsets: list[int]
+    region_numel: int
+    partition_offset: int
+    leaf: int | None
+    # -- per-backward state -----------------------------------------------------------
+    arrived: set[int] = dataclasses.field(default_factory=set)
+    ready: bool = False
+    launched: bool = False
+    flat: torch.Tensor | None = None
+    grads: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Forget this backward's arrivals and buffers."""
+        self.arrived.clear()
+        self.ready = False
+        self.launched = False
+        self.flat = None
+        self.grads.clear()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self.params[0].world_size
+
+    @property
+    def payload_numel(self) -> int:
+        """Real gradient elements reduced by this bucket."""
+        return sum(sp.numel for sp in self.params)
+
+    def slot(self, position: int) -> torch.Tensor:
+        """A member's padded gradient inside the flat buffer, as an ``(N, s)`` view."""
+        assert self.flat is not None
+        sp = self.params[position]
+        region = self.flat.view(self.world_size, self.region_numel)
+        offset = self.offsets[position]
+        return region[:, offset : offset + sp.shard_numel]
+
+    def write(self, position: int, grad: torch.Tensor, accumulate: bool) -> None:
+        """Copy (or add) a member's full gradient into its rank-major slot."""
+        if self.flat is None:
+            # Zeros: padding and members without a gradient must reduce as zeros.
+            self.flat = torch.zeros(
+                self.world_size * self.region_numel, dtype=self.dtype, device=grad.device
+            )
+        sp = self.params[position]
+        slot, flat_grad = self.slot(position), grad.reshape(-1)
+        rows, rem = divmod(sp.numel, sp.shard_numel) if sp.shard_numel else (0, 0)
+        head = flat_grad[: rows * sp.shard_numel].view(rows, sp.shard_numel)
+        if accumulate:
+            slot[:rows].add_(head)
+            if rem:
+                slot[rows, :rem].add_(flat_grad[rows * sp.shard_numel :])
+        else:
+            slot[:rows].copy_(head)
+            if rem:
+                slot[rows, :rem].copy_(flat_grad[rows * sp.shard_numel :])
+
+    def padded_grad(self, position: int, device: torch.device) -> torch.Tensor:
+        """A member's gradient padded to ``N * s`` elements (zeros if it got none)."""
+        sp = self.params[position]
+        grad = self.grads.get(sp.index)
+        out = torch.zeros(sp.padded_numel, dtype=self.dtype, device=device)
+        if grad is not None:
+            out[: sp.numel].copy_(grad.reshape(-1))
+        return out
+
+
+def plan_buckets(
+    params: Sequence[ShardedParam],
+    bucket_numel: int,
+    reduce_dtype: torch.dtype | None,
+    leaf_of: Mapping[int, int],
+) -> list[GradBucket]:
+    """Group trainable parameters into buckets in reverse registration order.
+
+    A bucket holds at most ``bucket_numel`` padded elements (a larger parameter gets a
+    bucket of its own), one dtype, and either no leaf's parameters or one leaf's only
+    (a leaf's buckets are launched when its backward is done, seed §7).
+    """
+    buckets: list[GradBucket] = []
+    offsets_by_dtype: dict[torch.dtype, int] = {}
+    current: list[ShardedParam] = []
+    key: tuple[torch.dtype, int | None] | None = None
+
+    def close() -> None:
+        if not current:
+            return
+        dtype, leaf = key  # type: ignore[misc]
+        offsets, cursor = [], 0
+        for sp in current:
+            offsets.append(cursor)
+            cursor += sp.shard_numel
+        start = offsets_by_dtype.get(dtype, 0)
+        offsets_by_dtype[dtype] = start + cursor
+        buckets.append(
+            GradBucket(len(buckets), dtype, list(current), offsets, cursor, start, leaf)
+        )
+        current.clear()
+
+    size = 0
+    for sp in reversed(list(params)):
+        sp_key = (reduce_dtype or sp.dtype, leaf_of.get(sp.index))
+        if current and (sp_key != key or size + sp.padded_numel > bucket_numel):
+            close()
+            size = 0
+        key = sp_key
+        current.append(sp)
+        size += sp.padded_numel
+    close()
+    return buckets

@@ -1,0 +1,383 @@
+"""ParamCoordinator: when parameters are gathered, prefetched and released (seed §2).
+
+Note (fetch in three steps, §2.1):
+    ``fetch_sub_module`` (1) starts one coalesced gather of the module's parameters
+    that are not on this rank, (2) waits for them and for any prefetch already
+    carrying the rest, then (3) once the trace is COMPLETE prefetches what comes next
+    in trace order, up to ``prefetch_bucket_size`` elements, never past
+    ``max_live_parameters`` live elements, with at most two prefetches in flight
+    (§2.2: a host that queues gathers without bound pins their memory early).
+    With ``overlap_comm=False`` the gather stream is the compute stream: prefetches
+    are still issued but waited for at once, and ``StepStats.blocking_prefetches``
+    counts them.
+
+Note (holds):
+    A parameter is released only when no running module holds it: a parent keeps its
+    own parameters while children run, a module re-entered by checkpoint recomputation
+    during its own backward keeps what the backward needs, and an external parameter
+    stays while the module reading it runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from zero3.comm import CommBackend
+from zero3.core._config import Zero3Config
+from zero3.core._gather import GatherHandle, GatherLayout
+from zero3.core._params import ParamStatus, ShardedParam, free_full
+from zero3.core._stats import StatsBook
+from zero3.core._trace import Trace, TraceState
+
+__all__ = ["GATHERED_PARAMETERS", "MAX_INFLIGHT_PREFETCHES", "ParamCoordinator"]
+
+_log = logging.getLogger("zero3.core")
+
+#: Prefetch gathers allowed in flight at once (§2.2).
+MAX_INFLIGHT_PREFETCHES = 2
+#: Module index used in fingerprints of gathers that no module asked for.
+GATHERED_PARAMETERS = -1
+
+
+class ParamCoordinator:
+    """Gathers, prefetches and releases the parameters of one sharded model.
+
+    Args:
+        comm: The backend parameter gathers go through.
+        config: The model's configuration.
+        modules: Every module of the model as ``(qualified_name, module)``, in
+            ``named_modules()`` order (the same on every rank).
+        direct: For each module (same order), the sharded parameters it owns directly.
+        stats: Where the step counters go.
+    """
+
+    def __init__(
+        self,
+        comm: CommBackend,
+        config: Zero3Config,
+        modules: Sequence[tuple[str, nn.Module]],
+        direct: Sequence[Sequence[ShardedParam]],
+        stats: StatsBook,
+    ) -> None:
+        self.comm = comm
+        self.config = config
+        self.names = [name or "<root>" for name, _ in modules]
+        self._index = {id(module): i for i, (_, module) in enumerate(modules)}
+        self._children = self._child_lists(modules)
+        self._direct = [list(params) for params in direct]
+        self._external: list[list[ShardedParam]] = [[] for _ in modules]
+        self._leaf: set[int] = set()
+        self._fetch_sets: dict[int, list[ShardedParam]] = {}
+        self._layouts: dict[tuple[int, ...], GatherLayout] = {}
+        self.stats = stats
+        self.traces = {"train": Trace("train"), "infer": Trace("infer")}
+        self.trace = self.traces["train"]
+        self.step_open = False
+        self.training_step = True
+        self.position = 0
+        self.diverged = False
+        self._cursor = 0
+        self._prefetched: set[int] = set()
+        self._inflight: collections.deque[GatherHandle] = collections.deque()
+        self._structure_changed = False
+        self._warned_invalidation = False
+        self.live_numel = 0
+        self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
+
+    @staticmethod
+    def _child_lists(modules: Sequence[tuple[str, nn.Module]]) -> list[list[int]]:
+        index = {id(m): i for i, (_, m) in enumerate(modules)}
+        return [[index[id(c)] for c in m.children() if id(c) in index] for _, m in modules]
+
+    # -- module bookkeeping ---------------------------------------------------------
+
+    def index_of(self, module: nn.Module) -> int:
+        """The module's index (its position in ``named_modules()``)."""
+        try:
+            return self._index[id(module)]
+        except KeyError:
+            raise ValueError(
+                f"{type(module).__name__} is not a submodule of this sharded model"
+            ) from None
+
+    def describe(self, module_index: int) -> str:
+        """Qualified name of a module index (for messages)."""
+        if module_index == GATHERED_PARAMETERS:
+            return "zero3.core.gathered_parameters"
+        if 0 <= module_index < len(self.names):
+            return self.names[module_index]
+        return f"<unknown module #{module_index}>"
+
+    def set_leaf(self, module_index: int, leaf: bool) -> None:
+        """Mark a module as a leaf: its whole subtree is gathered on entry."""
+        (self._leaf.add if leaf else self._leaf.discard)(module_index)
+        self._structure_updated()
+
+    def is_leaf(self, module_index: int) -> bool:
+        """Whether the module is a leaf."""
+        return module_index in self._leaf
+
+    def subtree(self, module_index: int) -> list[int]:
+        """The module and all its descendants (indices)."""
+        out, stack = [], [module_index]
+        while stack:
+            i = stack.pop()
+            out.append(i)
+            stack.extend(self._children[i])
+        return out
+
+    def direct_params(self, module_index: int) -> list[ShardedParam]:
+        """The sharded parameters the module owns directly (persistent ones included)."""
+        return self._direct[module_index]
+
+    def external_params(self, module_index: int) -> list[ShardedParam]:
+        """Parameters the module uses without owning them."""
+        return self._external[module_index]
+
+    def add_external(self, module_index: int, sp: ShardedParam) -> bool:
+        """Record that the module uses ``sp`` without owning it; False if already known."""
+        if sp in self._direct[module_index] or sp in self._external[module_index]:
+            return False
+        self._external[module_index].append(sp)
+        self._structure_updated()
+        return True
+
+    def _structure_updated(self) -> None:
+        self._fetch_sets.clear()
+        self._structure_changed = True
+
+    def fetch_set(self, module_index: int) -> list[ShardedParam]:
+        """Non-persistent parameters gathered for the module (direct + external; whole
+        subtree for a leaf), deduplicated, in a deterministic order."""
+        cached = self._fetch_sets.get(module_index)
+        if cached is not None:
+            return cached
+        members = self.subtree(module_index) if module_index in self._leaf else [module_index]
+        seen: dict[int, ShardedParam] = {}
+        for i in sorted(members):
+            for sp in (*self._direct[i], *self._external[i]):
+                if not sp.persistent:
+                    seen.setdefault(sp.index, sp)
+        result = list(seen.values())
+        self._fetch_sets[module_index] = result
+        return result
+
+    # -- steps ------------------------------------------------------------------------
+
+    def begin_step(self, training: bool) -> None:
+        """Start a step; ``training`` picks the training or the inference trace."""
+        self.step_open = True
+        self.training_step = training
+        self.trace = self.traces["train" if training else "infer"]
+        if self.trace.state is TraceState.INVALID:
+            self.trace.start_recording()
+        self.position = 0
+        self.diverged = False
+        self._cursor = 0
+        self._prefetched.clear()
+        self.stats.rotate()
+
+    def end_step(self, all_params: Iterable[ShardedParam]) -> None:
+        """Finish the step: complete gathers, release everything, freeze or check the trace."""
+        for handle in list(self._inflight):
+            handle.finish(self.comm.current_stream())
+        self._inflight.clear()
+        for sp in all_params:
+            sp.holds = 0
+            self._release(sp)
+        trace = self.trace
+        if not self.diverged:
+            if trace.state is TraceState.RECORD:
+                if self.position:
+                    trace.freeze(self.fetch_set)
+                else:
+                    trace.invalidate()
+            elif trace.state is TraceState.COMPLETE and (
+                self.position != len(trace.modules) or self._structure_changed
+            ):
+                if self.position != len(trace.modules):
+                    self._count_invalidation(
+                        f"the step ran {self.position} module fetches but the "
+                        f"{trace.kind} trace holds {len(trace.modules)}"
+                    )
+                trace.invalidate()
+        self._structure_changed = False
+        self.step_open = False
+
+    def _count_invalidation(self, reason: str) -> None:
+        self.stats.current.trace_invalidations += 1
+        self.stats.total_invalidations += 1
+        if not self._warned_invalidation:
+            self._warned_invalidation = True
+            warnings.warn(
+                f"zero3: the module order changed ({reason}); falling back to on-demand "
+                "gathers for this step and recording the order again. Results are exact; "
+                "if this repeats every step, prefetching is lost (StepStats."
+                "trace_invalidations counts it; this warning is shown once).",
+                stacklevel=3,
+            )
+        else:
+            _log.debug("zero3: trace invalidated: %s", reason)
+
+    # -- fetch / release --------------------------------------------------------------
+
+    def fetch_sub_module(self, module: nn.Module, forward: bool) -> None:
+        """Make the module's parameters whole on this rank (seed §2.1's three steps)."""
+        if not self.step_open:
+            self.begin_step(training=torch.is_grad_enabled())
+        index = self.index_of(module)
+        position = self.position
+        self.position += 1
+        traced = self._check_trace(index, position)
+        params = self.fetch_set(index)
+        for sp in params:
+            sp.holds += 1
+        self._make_available(params, index, forward, traced)
+        if traced:
+            self._prefetch(position, forward)
+
+    def release_sub_module(self, module: nn.Module) -> None:
+        """Release the module's parameters, keeping those reused soon (seed §2.4)."""
+        index = self.index_of(module)
+        params = self.fetch_set(index)
+        keep: frozenset[int] = frozenset()
+        if self.trace.state is TraceState.COMPLETE and not self.diverged:
+            keep = self.trace.reused_within(
+                self.position, index, self.config.max_reuse_distance
+            )
+        for sp in params:
+            sp.holds = max(0, sp.holds - 1)
+            if sp.holds == 0 and sp.index not in keep:
+                self._release(sp)
+
+    def fetch_params(self, params: Sequence[ShardedParam], module_index: int, forward: bool) -> None:
+        """Hold and gather an explicit list of parameters (outside the trace)."""
+        todo = [sp for sp in params if not sp.persistent]
+        for sp in todo:
+            sp.holds += 1
+        self._make_available(todo, module_index, forward, traced=False)
+
+    def release_params(self, params: Sequence[ShardedParam]) -> None:
+        """Drop the holds taken by :meth:`fetch_params` and release what is unheld."""
+        for sp in params:
+            if not sp.persistent:
+                sp.holds = max(0, sp.holds - 1)
+                if sp.holds == 0:
+                    self._release(sp)
+
+    def _check_trace(self, index: int, position: int) -> bool:
+        """Record or verify this fetch; return True if prefetching may follow it."""
+        trace = self.trace
+        if self.diverged:
+            return False
+        if trace.state is TraceState.RECORD:
+            trace.record(index)
+            return False
+        if trace.state is TraceState.COMPLETE:
+            expected = trace.expected(position)
+            if expected == index:
+                return True
+            self.diverged = True
+            self._count_invalidation(
+                f"fetch #{position} of the {trace.kind} step was {self.describe(index)!r}, "
+                f"the trace expected {self.describe(expected) if expected is not None else 'the end'!r}"
+            )
+        return False
+
+    def _make_available(
+        self, params: Sequence[ShardedParam], index: int, forward: bool, traced: bool
+    ) -> None:
+        need = [sp for sp in params if sp.status is ParamStatus.NOT_AVAILABLE]
+        prefetched = any(sp.index in self._prefetched for sp in params)
+        if traced and params:
+            if need:
+                self.stats.current.prefetch_misses += 1
+            elif prefetched:
+                self.stats.current.prefetch_hits += 1
+        stream = self.comm.current_stream()
+        if need:
+            self._issue(need, index, forward, prefetch=False).finish(stream)
+        for sp in params:
+            if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
+                sp.handle.finish(stream)
+            self._prefetched.discard(sp.index)
+
+    def _issue(
+        self, params: list[ShardedParam], index: int, forward: bool, prefetch: bool
+    ) -> GatherHandle:
+        key = tuple(sp.index for sp in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = GatherLayout.build(params)
+            self._layouts[key] = layout
+        handle = GatherHandle(self.comm, layout, index, self.describe, self.gather_stream)
+        stats = self.stats.current
+        numel = sum(sp.numel for sp in params)
+        if forward:
+            stats.forward_gathers += 1
+            stats.forward_gathered_numel += numel
+        else:
+            stats.backward_gathers += 1
+            stats.backward_gathered_numel += numel
+        world = self.comm.world_size
+        stats.gather_payload_bytes += layout.payload_bytes
+        stats.gather_fingerprint_bytes += 16 * world
+        stats.gather_padding_bytes += (
+            layout.chunk_bytes * world - layout.payload_bytes - 16 * world
+        )
+        self.live_numel += numel
+        stats.live_numel_high_water = max(stats.live_numel_high_water, self.live_numel)
+        if prefetch:
+            stats.prefetch_gathers += 1
+            self._prefetched.update(key)
+            if self.config.overlap_comm:
+                self._inflight.append(handle)
+            else:
+                stats.blocking_prefetches += 1
+                handle.finish(self.comm.current_stream())
+        return handle
+
+    def _prefetch(self, position: int, forward: bool) -> None:
+        while self._inflight and self._inflight[0].is_completed():
+            self._inflight.popleft()  # completed gathers no longer pin extra memory
+        if len(self._inflight) >= MAX_INFLIGHT_PREFETCHES:
+            return
+        budget = min(
+            self.config.prefetch_bucket_size,
+            self.config.max_live_parameters - self.live_numel,
+        )
+        trace = self.trace
+        order = trace.param_order
+        j = max(self._cursor, trace.first_entry_at[position + 1])
+        chosen: dict[int, ShardedParam] = {}
+        total, first_position = 0, -1
+        while j < len(order) and budget > 0:
+            entry_position, sp = order[j]
+            if sp.status is ParamStatus.NOT_AVAILABLE and sp.index not in chosen:
+                if total + sp.numel > budget:
+                    break
+                chosen[sp.index] = sp
+                total += sp.numel
+                if first_position < 0:
+                    first_position = entry_position
+            j += 1
+        self._cursor = j
+        if chosen:
+            self._issue(list(chosen.values()), trace.modules[first_position], forward, prefetch=True)
+
+    def _release(self, sp: ShardedParam) -> None:
+        if sp.persistent:
+            return
+        if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
+            sp.handle.finish(self.comm.current_stream())
+        if sp.status is ParamStatus.AVAILABLE:
+            free_full(sp.param)
+            sp.status = ParamStatus.NOT_AVAILABLE
+            self.live_numel -= sp.numel
+        self._prefetched.discard(sp.index)

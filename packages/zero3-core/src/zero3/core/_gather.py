@@ -1,0 +1,184 @@
+"""Coalesced parameter gathers that carry a fingerprint of what each rank fetches.
+
+Note (one collective per fetch, whatever the dtypes):
+    A fetch packs the shards of all its parameters into one byte buffer, 16-byte
+    aligned per parameter, and gathers it with one all-gather of ``uint8``. Gathers
+    only move bytes, so parameters of different dtypes (fp32 norms beside bf16
+    matrices) share the collective.
+
+Note (fingerprints):
+    The last 16 bytes of every rank's chunk hold a fingerprint: a magic number, the
+    index of the module the rank is fetching for, a CRC of the parameter indices in
+    the gather, and its byte size. After the gather every rank holds every rank's
+    fingerprint, so a mismatch (ranks running different modules: data-dependent
+    routing without a leaf marking) is caught on every rank at once, with no extra
+    collective, and reported with each rank's module. Same-sized gathers of
+    different parameters therefore never silently mix shards. Gathers of *different*
+    sizes are caught by the transport itself (gloo aborts the rank whose buffer is
+    too small with "Is there a distributed collective mismatch?"), while the rank with
+    the larger buffer finds a foreign fingerprint and raises the error below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from zero3.comm import CommBackend, Stream, Work
+from zero3.core._params import ParamStatus, ShardedParam
+
+__all__ = ["FINGERPRINT_BYTES", "FingerprintMismatchError", "GatherHandle", "GatherLayout"]
+
+FINGERPRINT_BYTES = 16
+_ALIGN = 16
+_MAGIC = 0x5A335A33  # "Z3Z3"
+
+
+class FingerprintMismatchError(RuntimeError):
+    """Ranks gathered different parameters in the same collective."""
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherLayout:
+    """Byte layout of one rank's chunk for a set of parameters (cached per set)."""
+
+    params: tuple[ShardedParam, ...]
+    offsets: tuple[int, ...]
+    chunk_bytes: int
+    param_hash: int
+
+    @classmethod
+    def build(cls, params: Sequence[ShardedParam]) -> GatherLayout:
+        """Lay out ``params`` (in the given order) in a chunk with a trailing fingerprint."""
+        offsets, cursor = [], 0
+        for sp in params:
+            offsets.append(cursor)
+            cursor = _align(cursor + sp.shard_numel * sp.shard.element_size())
+        indices = torch.tensor([sp.index for sp in params], dtype=torch.int64)
+        return cls(
+            params=tuple(params),
+            offsets=tuple(offsets),
+            chunk_bytes=cursor + FINGERPRINT_BYTES,
+            param_hash=zlib.crc32(indices.numpy().tobytes()) & 0x7FFFFFFF,
+        )
+
+    @property
+    def payload_bytes(self) -> int:
+        """Real parameter bytes the gather delivers."""
+        return sum(sp.numel * sp.shard.element_size() for sp in self.params)
+
+    def fingerprint(self, module_index: int) -> torch.Tensor:
+        """The 16 fingerprint bytes for a gather requested by ``module_index``."""
+        words = [_MAGIC, module_index, self.param_hash, self.chunk_bytes & 0x7FFFFFFF]
+        return torch.tensor(words, dtype=torch.int32).view(torch.uint8)
+
+
+class GatherHandle:
+    """One coalesced gather in flight: issue on construction, :meth:`finish` to use it.
+
+    Args:
+        comm: The backend gathers go through.
+        layout: Which parameters, where in the chunk.
+        module_index: Index of the module the fetch is for (goes into the fingerprint).
+        describe: Maps a module index to its qualified name (for error messages).
+        stream: Stream to issue the gather on.
+    """
+
+    def __init__(
+        self,
+        comm: CommBackend,
+        layout: GatherLayout,
+        module_index: int,
+        describe: Callable[[int], str],
+        stream: Stream | None,
+    ) -> None:
+        self.layout = layout
+        self.module_index = module_index
+        self._describe = describe
+        self._world = comm.world_size
+        device = layout.params[0].shard.device
+        send = torch.empty(layout.chunk_bytes, dtype=torch.uint8, device=device)
+        for sp, offset in zip(layout.params, layout.offsets, strict=True):
+            nbytes = sp.shard_numel * sp.shard.element_size()
+            send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
+            sp.status = ParamStatus.INFLIGHT
+            sp.handle = self
+        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
+        self._recv: torch.Tensor | None = torch.empty(
+            layout.chunk_bytes * self._world, dtype=torch.uint8, device=device
+        )
+        self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
+
+    def is_completed(self) -> bool:
+        """True once the data has arrived (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
+    @property
+    def finished(self) -> bool:
+        """True once :meth:`finish` has run."""
+        return self._recv is None
+
+    def finish(self, stream: Stream | None = None) -> None:
+        """Wait for the data, check fingerprints, and fill the parameters' storages."""
+        if self._recv is None or self._work is None:
+            return
+        self._work.wait(stream)
+        recv = self._recv.view(self._world, self.layout.chunk_bytes)
+        self._check_fingerprints(recv)
+        for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
+            _copy_out(sp, recv, offset)
+            sp.status = ParamStatus.AVAILABLE
+            sp.handle = None
+        self._recv, self._work = None, None
+
+    def _check_fingerprints(self, recv: torch.Tensor) -> None:
+        prints = recv[:, -FINGERPRINT_BYTES:].contiguous().view(torch.int32).cpu()
+        mine = self.layout.fingerprint(self.module_index).view(torch.int32)
+        if bool((prints == mine).all()):
+            return
+        lines = []
+        for rank, words in enumerate(prints.tolist()):
+            if words[0] != _MAGIC:
+                lines.append(f"  rank {rank}: issued a different collective or size (no zero3 fingerprint)")
+            else:
+                lines.append(
+                    f"  rank {rank}: module {self._describe(words[1])!r} "
+                    f"(parameter set #{words[2]:08x}, {words[3]} bytes per rank)"
+                )
+        for sp in self.layout.params:  # leave nothing half-gathered behind
+            sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
+        raise FingerprintMismatchError(
+            "zero3: ranks gathered different parameters in the same collective:\n"
+            + "\n".join(lines)
+            + "\nRanks ran different modules (data-dependent control flow, e.g. MoE routing). "
+            "Mark the module that routes as a leaf (zero3.hooks.set_leaf_modules(model, "
+            "Cls) or Zero3Config(leaf_modules=(Cls,))) so its whole subtree is gathered on "
+            "every rank."
+        )
+
+
+def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int) -> None:
+    """Copy every rank's shard of ``sp`` from the gathered bytes into its full storage."""
+    param, s, n = sp.param, sp.shard_numel, sp.numel
+    nbytes = param.numel() * param.element_size()
+    storage = param.untyped_storage()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+    if n == 0:
+        return
+    elem = sp.shard.element_size()
+    shards = recv[:, offset : offset + s * elem].view(param.dtype)  # (world, s)
+    rows, rem = divmod(n, s)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
+        flat = param.view(-1)
+        if rows:
+            flat[: rows * s].view(rows, s).copy_(shards[:rows])
+        if rem:
+            flat[rows * s :].copy_(shards[rows, :rem])

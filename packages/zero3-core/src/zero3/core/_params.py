@@ -1,0 +1,178 @@
+"""Partitioned parameters: the side table and the storage mechanics of release.
+
+Note (releasing memory for real):
+    Swapping ``param.data`` for a shard frees nothing while a graph is alive:
+    autograd saves the weight for backward (``F.linear`` saves it), and the saved
+    tensor shares the *storage*, so the full buffer stays referenced until backward
+    (NOTES). zero3 therefore keeps every ``nn.Parameter`` at its full shape and frees
+    its storage in place with ``untyped_storage().resize_(0)``: the saved tensors share
+    that storage, so the bytes really go. Gathering resizes the storage back and copies
+    the data in under ``torch.autograd._unsafe_preserve_version_counter``: the copy is
+    not a user mutation, and without preserving the counter backward would refuse the
+    saved tensor ("modified by an inplace operation"). The parameter objects never
+    change, so tied weights stay tied and optimizers, hooks and ``named_parameters``
+    see the same objects. A released parameter keeps its shape but has no bytes, so
+    reading it outside a gather fails loudly instead of returning stale data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from zero3.core._gather import GatherHandle
+
+__all__ = [
+    "ParamStatus",
+    "ShardedParam",
+    "free_full",
+    "local_shard",
+    "lookup",
+    "write_full",
+]
+
+
+class ParamStatus(enum.Enum):
+    """Whether a parameter's full data is present on this rank."""
+
+    NOT_AVAILABLE = "not_available"
+    INFLIGHT = "inflight"
+    AVAILABLE = "available"
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedParam:
+    """Partitioned state of one parameter (zero3's side table, no tensor attributes).
+
+    Attributes:
+        index: Position in the model's deterministic parameter order (same on all ranks).
+        name: Qualified name of the parameter (its first name, for tied ones).
+        param: The ``nn.Parameter`` itself, kept at full shape.
+        shape: Full shape.
+        numel: Full number of elements.
+        shard_numel: Elements per rank (the numel padded to a multiple of the world size,
+            divided by it).
+        shard: This rank's flat shard, ``shard_numel`` elements (padding at the end of
+            the last ranks' shards is zero).
+        persistent: Stays whole on every rank (small parameters).
+        rank: This process's rank in the sharding group.
+        world_size: Ranks in the sharding group.
+        status: Whether the full data is present.
+        holds: Modules currently running (forward or backward) that use this parameter;
+            it is never released while held.
+        owners: Names of the modules holding it in ``_parameters`` (for messages).
+        handle: The gather in flight, while INFLIGHT.
+    """
+
+    index: int
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    numel: int
+    shard_numel: int
+    shard: torch.Tensor
+    persistent: bool
+    rank: int
+    world_size: int
+    status: ParamStatus = ParamStatus.AVAILABLE
+    holds: int = 0
+    owners: list[str] = dataclasses.field(default_factory=list)
+    handle: GatherHandle | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameter dtype."""
+        return self.param.dtype
+
+    @property
+    def padded_numel(self) -> int:
+        """``shard_numel * world_size``: the numel rounded up to a multiple of N."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def local_numel(self) -> int:
+        """Real (non-padding) elements in this rank's shard."""
+        return self.valid_numel(self.rank)
+
+    def valid_range(self, rank: int) -> tuple[int, int]:
+        """Element range ``[start, stop)`` of the full parameter held by ``rank``."""
+        start = min(rank * self.shard_numel, self.numel)
+        return start, min(start + self.shard_numel, self.numel)
+
+    def valid_numel(self, rank: int) -> int:
+        """Real (non-padding) elements in ``rank``'s shard."""
+        start, stop = self.valid_range(rank)
+        return stop - start
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains."""
+        return self.param.requires_grad
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, {self.status.name}, "
+            f"persistent={self.persistent})"
+        )
+
+
+# param -> ShardedParam for every sharded parameter in this process, keyed by identity
+# (tensors compare elementwise, so an ordinary weak dict cannot hold them).
+_TABLE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register(sp: ShardedParam) -> None:
+    """Record ``sp`` as the partitioned state of ``sp.param``."""
+    _TABLE[sp.param] = sp
+
+
+def unregister(param: nn.Parameter) -> None:
+    """Forget a parameter (when a model is unsharded)."""
+    _TABLE.pop(param, None)
+
+
+def lookup(param: torch.Tensor) -> ShardedParam | None:
+    """The partitioned state of ``param``, or None if it is not sharded."""
+    return _TABLE.get(param)  # type: ignore[no-any-return]
+
+
+def require(param: torch.Tensor, what: str) -> ShardedParam:
+    """Like :func:`lookup`, but raise a clear error for an unsharded parameter."""
+    sp = lookup(param)
+    if sp is None:
+        raise ValueError(
+            f"{what}: the tensor of shape {tuple(param.shape)} is not a parameter of a "
+            "sharded module (call zero3.hooks.shard_module(model) first)"
+        )
+    return sp
+
+
+def free_full(param: torch.Tensor) -> None:
+    """Free the full storage of ``param`` in place (autograd's saved copies included)."""
+    param.untyped_storage().resize_(0)
+
+
+def write_full(param: torch.Tensor, flat: torch.Tensor) -> None:
+    """(Re)allocate ``param``'s storage and fill it with ``flat`` (numel elements)."""
+    nbytes = param.numel() * param.element_size()
+    storage = param.untyped_storage()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
+        param.view(-1).copy_(flat)
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """This rank's real elements of a sharded parameter (a flat view, no padding).
+
+    The view aliases the shard zero3 keeps: edits change the parameter after its next
+    gather. Use it for debugging and checkpoint tooling.
+    """
+    sp = require(param, "zero3.core.local_shard")
+    return sp.shard[: sp.local_numel]

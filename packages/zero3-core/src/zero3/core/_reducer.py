@@ -1,0 +1,347 @@
+"""GradReducer: buckets in, gradient shards out (seed §3, §5, §6).
+
+Note (the gradient-partition buffer and accumulation, §5.3, §6):
+    Each rank keeps one flat buffer per reduce dtype holding its shard of every
+    trainable parameter's gradient, laid out bucket by bucket. The first backward of
+    an accumulation window writes reductions straight into it (``copy_``); later ones
+    add (``add_``), so accumulation costs no extra memory. The window ends at the
+    optimizer's step or at any ``zero_grad``.
+
+Note (the epilogue, §5.4):
+    At the end of every backward the epilogue launches the buckets not yet launched
+    (members that got no gradient here reduce as zeros), waits for every reduction,
+    and runs one small all-reduce (MAX over uint8 flags) recording which parameters
+    got a gradient on any rank — so the optimizer can skip a parameter nobody
+    produced a gradient for, as plain PyTorch does — and which had a gradient arrive
+    after its bucket had left (reentrant checkpointing runs an inner backward; a
+    parameter used inside and outside the region gets two arrivals). Those late
+    gradients, if any rank has one, go through one more reduction that every rank
+    joins, decided by the flags, so no rank ever waits on another.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from zero3.comm import CommBackend, ReduceOp, Work
+from zero3.core._buckets import GradBucket, plan_buckets
+from zero3.core._config import Zero3Config
+from zero3.core._params import ShardedParam
+from zero3.core._stats import StatsBook
+
+__all__ = ["MAX_INFLIGHT_REDUCTIONS", "GradReducer"]
+
+#: Reductions allowed in flight before the oldest is waited for.
+MAX_INFLIGHT_REDUCTIONS = 4
+
+_Finish = Callable[[], None]
+
+
+class GradReducer:
+    """Reduces trainable parameters' gradients into this rank's gradient shards.
+
+    Args:
+        comm: Backend for gradient collectives (a duplicate of the parameter backend,
+            so gathers and reductions form two independent collective sequences).
+        config: The model's configuration.
+        params: Trainable sharded parameters in registration order.
+        leaf_of: Parameter index → index of the leaf module that owns it.
+        stats: Where counters go.
+    """
+
+    def __init__(
+        self,
+        comm: CommBackend,
+        config: Zero3Config,
+        params: Sequence[ShardedParam],
+        leaf_of: Mapping[int, int],
+        stats: StatsBook,
+    ) -> None:
+        self.comm = comm
+        self.config = config
+        self.stats = stats
+        self.params = list(params)
+        self._position = {sp.index: k for k, sp in enumerate(self.params)}
+        self.all_reduce_path = (
+            config.grad_reduce_op == "all_reduce" or not comm.capabilities.native_reduce_scatter
+        )
+        #: Private switch: False forms buckets by arrival order (DeepSpeed's way), which
+        #: desynchronizes ranks under data-dependent routing. Tests use it to show that.
+        self.fixed_buckets = True
+        #: Set when gradients share the parameter backend (it cannot duplicate itself):
+        #: then buckets launch only in the epilogue, where both sequences are in order.
+        self.defer_launches = False
+        self._in_epilogue = False
+        self.micro_step = 0
+        self._inflight: collections.deque[tuple[Work, _Finish]] = collections.deque()
+        self._partitions: dict[torch.dtype, torch.Tensor] = {}
+        self.replan(leaf_of)
+
+    def replan(self, leaf_of: Mapping[int, int]) -> None:
+        """Rebuild the buckets (leaf markings changed); only between windows."""
+        if self.micro_step:
+            raise RuntimeError(
+                "zero3: leaf modules changed in the middle of a gradient accumulation "
+                "window; change them before backward or after the optimizer step"
+            )
+        self.buckets = plan_buckets(
+            self.params, self.config.reduce_bucket_size, self.config.reduce_dtype, leaf_of
+        )
+        self._bucket_of: dict[int, tuple[GradBucket, int]] = {}
+        for bucket in self.buckets:
+            for k, sp in enumerate(bucket.params):
+                self._bucket_of[sp.index] = (bucket, k)
+        self._partitions.clear()
+        n = len(self.params)
+        self._window_flags = torch.zeros(n, dtype=torch.bool)
+        self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        n = len(self.params)
+        self._arrived = torch.zeros(n, dtype=torch.uint8)
+        self._late: dict[int, torch.Tensor] = {}
+        self._next_launch = 0
+        self._dynamic: list[tuple[ShardedParam, torch.Tensor]] = []
+        for bucket in self.buckets:
+            bucket.reset()
+
+    # -- partition buffer ----------------------------------------------------------------
+
+    def _partition(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._partitions.get(dtype)
+        if buf is None:
+            numel = sum(b.region_numel for b in self.buckets if b.dtype == dtype)
+            buf = torch.zeros(numel, dtype=dtype, device=device)
+            self._partitions[dtype] = buf
+        return buf
+
+    def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
+        """This rank's padded gradient shard of ``sp`` for the current window, or None
+        if no rank produced a gradient for it."""
+        position = self._position.get(sp.index)
+        if position is None or not bool(self._window_flags[position]):
+            return None
+        bucket, k = self._bucket_of[sp.index]
+        buf = self._partition(bucket.dtype, sp.shard.device)
+        start = bucket.partition_offset + bucket.offsets[k]
+        return buf[start : start + sp.shard_numel]
+
+    def partition_buffers(self) -> dict[torch.dtype, torch.Tensor]:
+        """The gradient-partition buffers (one per reduce dtype)."""
+        return dict(self._partitions)
+
+    def end_window(self) -> None:
+        """End the accumulation window (optimizer step or ``zero_grad``)."""
+        self.micro_step = 0
+        self._window_flags.zero_()
+
+    # -- arrivals -------------------------------------------------------------------------
+
+    def on_grad(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """Take a parameter's full gradient (the post-accumulate-grad hook calls this)."""
+        position = self._position.get(sp.index)
+        if position is None:
+            return  # not trainable at setup (frozen): not part of any bucket
+        self._arrived[position] = 1
+        if not self.fixed_buckets:
+            self._arrive_dynamic(sp, grad)
+            return
+        bucket, k = self._bucket_of[sp.index]
+        if bucket.launched:
+            late = self._late.get(sp.index)
+            cast = grad.to(bucket.dtype)
+            self._late[sp.index] = cast if late is None else late.add_(cast)
+            return
+        repeat = sp.index in bucket.arrived
+        bucket.arrived.add(sp.index)
+        if self.config.contiguous_gradients:
+            bucket.write(k, grad, accumulate=repeat)
+        else:
+            prior = bucket.grads.get(sp.index)
+            cast = grad.to(bucket.dtype)
+            bucket.grads[sp.index] = cast if prior is None else prior.add_(cast)
+        if len(bucket.arrived) == len(bucket.params):
+            bucket.ready = True
+            self._launch_ready()
+
+    def leaf_done(self, leaf_index: int) -> None:
+        """A leaf's backward finished: its buckets go now, missing members as zeros (§7)."""
+        if not self.fixed_buckets:
+            return
+        for bucket in self.buckets:
+            if bucket.leaf == leaf_index and not bucket.launched:
+                bucket.ready = True
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        if self.defer_launches and not self._in_epilogue:
+            return
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.launched = True
+        device = bucket.params[0].shard.device
+        partition = self._partition(bucket.dtype, device)
+        region = partition[bucket.partition_offset : bucket.partition_offset + bucket.region_numel]
+        if not self.config.contiguous_gradients and not self.all_reduce_path:
+            self._launch_discrete(bucket, region)
+            return
+        if bucket.flat is None:  # no member got a gradient here: reduce zeros
+            if not self.config.contiguous_gradients:
+                for k in range(len(bucket.params)):
+                    grad = bucket.grads.get(bucket.params[k].index)
+                    if grad is not None:
+                        bucket.write(k, grad, accumulate=False)
+            if bucket.flat is None:
+                bucket.flat = torch.zeros(
+                    bucket.world_size * bucket.region_numel, dtype=bucket.dtype, device=device
+                )
+        flat = bucket.flat
+        bucket.flat, bucket.grads = None, {}
+        self._reduce_flat(flat, region, bucket.payload_numel, bucket.dtype)
+
+    def _reduce_flat(
+        self, flat: torch.Tensor, region: torch.Tensor, payload_numel: int, dtype: torch.dtype
+    ) -> None:
+        """Reduce a rank-major buffer into ``region`` (copy on micro-step 0, else add)."""
+        accumulate = self.micro_step > 0
+        rank, world = self.comm.rank, self.comm.world_size
+        if self.all_reduce_path:
+            work = self.comm.all_reduce(flat, op=ReduceOp.AVG)
+
+            def finish() -> None:
+                mine = flat.view(world, -1)[rank]
+                region.add_(mine) if accumulate else region.copy_(mine)
+
+            self._count(payload_numel, flat.numel(), dtype, factor=2)
+        else:
+            target = torch.empty_like(region) if accumulate else region
+            work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG)
+
+            def finish() -> None:
+                if accumulate:
+                    region.add_(target)
+
+            self._count(payload_numel, flat.numel(), dtype, factor=1)
+        self._track(work, finish)
+
+    def _launch_discrete(self, bucket: GradBucket, region: torch.Tensor) -> None:
+        """Discrete path: list reduce-scatter over the bucket's gradients."""
+        accumulate = self.micro_step > 0
+        target = torch.empty_like(region) if accumulate else region
+        outputs, inputs = [], []
+        for k, sp in enumerate(bucket.params):
+            offset = bucket.offsets[k]
+            outputs.append(target[offset : offset + sp.shard_numel])
+            inputs.append(bucket.padded_grad(k, region.device))
+        bucket.grads = {}
+        work = self.comm.reduce_scatter_coalesced(outputs, inputs, op=ReduceOp.AVG)
+
+        def finish() -> None:
+            if accumulate:
+                region.add_(target)
+
+        self._count(bucket.payload_numel, sum(t.numel() for t in inputs), bucket.dtype, 1)
+        self._track(work, finish)
+
+    def _count(self, payload_numel: int, buffer_numel: int, dtype: torch.dtype, factor: int) -> None:
+        stats = self.stats.current
+        elem = torch.empty((), dtype=dtype).element_size()
+        stats.reduce_collectives += 1
+        stats.reduce_payload_bytes += factor * payload_numel * elem
+        stats.reduce_padding_bytes += factor * (buffer_numel - payload_numel) * elem
+
+    def _track(self, work: Work, finish: _Finish) -> None:
+        self._inflight.append((work, finish))
+        limit = MAX_INFLIGHT_REDUCTIONS if self.config.overlap_comm else 0
+        while len(self._inflight) > limit:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, finish = self._inflight.popleft()
+        work.wait(self.comm.current_stream())
+        finish()
+
+    # -- arrival-order buckets (the private off switch) ------------------------------------
+
+    def _arrive_dynamic(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        self._dynamic.append((sp, grad.reshape(-1)))
+        if sum(p.padded_numel for p, _ in self._dynamic) >= self.config.reduce_bucket_size:
+            self._flush_dynamic()
+
+    def _flush_dynamic(self) -> None:
+        for sp, grad in self._dynamic:
+            bucket, k = self._bucket_of[sp.index]
+            region = self._partition(bucket.dtype, grad.device)
+            start = bucket.partition_offset + bucket.offsets[k]
+            out = region[start : start + sp.shard_numel]
+            padded = torch.zeros(sp.padded_numel, dtype=bucket.dtype, device=grad.device)
+            padded[: sp.numel].copy_(grad)
+            self._reduce_flat(padded, out, sp.numel, bucket.dtype)
+        self._dynamic = []
+
+    # -- epilogue -----------------------------------------------------------------------------
+
+    def end_backward(self) -> None:
+        """The epilogue: flush, wait, exchange got-gradient flags, late path, reset (§5.4)."""
+        if self.fixed_buckets:
+            for bucket in self.buckets[self._next_launch :]:
+                bucket.ready = True
+            self._in_epilogue = True
+            try:
+                self._launch_ready()
+            finally:
+                self._in_epilogue = False
+        else:
+            self._flush_dynamic()
+        while self._inflight:
+            self._finish_oldest()
+        n = len(self.params)
+        flags = torch.zeros(2 * n, dtype=torch.uint8)
+        flags[:n] = self._arrived
+        for index in self._late:
+            flags[n + self._position[index]] = 1
+        if n:
+            self.comm.all_reduce(flags, op=ReduceOp.MAX).wait()
+            self.stats.current.grad_flag_bytes += flags.numel()
+        got, late = flags[:n].bool(), flags[n:].bool()
+        if bool(late.any()):
+            self._reduce_late(late)
+        self._window_flags |= got
+        self.micro_step += 1
+        self._reset_backward()
+
+    def _reduce_late(self, late: torch.Tensor) -> None:
+        """One extra reduction for gradients that arrived after their bucket left."""
+        members = [self.params[int(k)] for k in torch.nonzero(late).flatten()]
+        outputs, inputs = [], []
+        for sp in members:
+            bucket, k = self._bucket_of[sp.index]
+            buf = self._partition(bucket.dtype, sp.shard.device)
+            start = bucket.partition_offset + bucket.offsets[k]
+            outputs.append(torch.empty(sp.shard_numel, dtype=bucket.dtype, device=buf.device))
+            padded = torch.zeros(sp.padded_numel, dtype=bucket.dtype, device=buf.device)
+            grad = self._late.get(sp.index)
+            if grad is not None:
+                padded[: sp.numel].copy_(grad.reshape(-1))
+            inputs.append(padded)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k, sp in enumerate(members):
+            by_dtype.setdefault(self._bucket_of[sp.index][0].dtype, []).append(k)
+        for ks in by_dtype.values():
+            self.comm.reduce_scatter_coalesced(
+                [outputs[k] for k in ks], [inputs[k] for k in ks], op=ReduceOp.AVG
+            ).wait()
+            self.stats.current.late_reductions += 1
+        for sp, out in zip(members, outputs, strict=True):
+            bucket, k = self._bucket_of[sp.index]
+            buf = self._partition(bucket.dtype, sp.shard.device)
+            start = bucket.partition_offset + bucket.offsets[k]
+            buf[start : start + sp.shard_numel].add_(out)

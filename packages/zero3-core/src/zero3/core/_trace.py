@@ -1,0 +1,100 @@
+"""The recorded module order of a step, and what follows from it (seed §2.3, §2.4).
+
+Note:
+    A trace is recorded over one whole step (forward *and* backward for training,
+    forward only for inference: zero3 keeps one trace of each kind, so evaluating
+    between training steps never throws the training trace away). Once COMPLETE it
+    tells the coordinator which parameters come next (prefetch) and which will be
+    used again soon (kept on release). Results never depend on the trace: a step that
+    departs from it falls back to on-demand gathering for the rest of the step, so a
+    wrong trace costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+from zero3.core._params import ShardedParam
+
+__all__ = ["Trace", "TraceState"]
+
+
+class TraceState(enum.Enum):
+    """Lifecycle of a trace: INVALID → RECORD → COMPLETE (→ INVALID on a mismatch)."""
+
+    INVALID = "invalid"
+    RECORD = "record"
+    COMPLETE = "complete"
+
+
+class Trace:
+    """Module fetch order of one kind of step, frozen once recorded."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.state = TraceState.INVALID
+        self.modules: list[int] = []  # module indices in fetch order
+        # Parameter order derived from the module order: (position, param) per use.
+        self.param_order: list[tuple[int, ShardedParam]] = []
+        self.first_entry_at: list[int] = []  # position -> index into param_order
+        self._release_cache: dict[tuple[int, int], frozenset[int]] = {}
+
+    def start_recording(self) -> None:
+        """Begin recording a fresh order (called at the start of a step)."""
+        self.state = TraceState.RECORD
+        self.modules = []
+        self.param_order = []
+        self.first_entry_at = []
+        self._release_cache.clear()
+
+    def invalidate(self) -> None:
+        """Forget the order; the next step records again."""
+        self.state = TraceState.INVALID
+        self.modules = []
+        self.param_order = []
+        self.first_entry_at = []
+        self._release_cache.clear()
+
+    def record(self, module_index: int) -> None:
+        """Append a fetch to the recording."""
+        self.modules.append(module_index)
+
+    def expected(self, position: int) -> int | None:
+        """The module index expected at ``position``, or None past the end."""
+        return self.modules[position] if position < len(self.modules) else None
+
+    def freeze(self, params_of: Callable[[int], Sequence[ShardedParam]]) -> None:
+        """Turn the recorded module order into the parameter order; state → COMPLETE."""
+        self.param_order = []
+        self.first_entry_at = []
+        for position, module_index in enumerate(self.modules):
+            self.first_entry_at.append(len(self.param_order))
+            for sp in params_of(module_index):
+                if not sp.persistent:
+                    self.param_order.append((position, sp))
+        self.first_entry_at.append(len(self.param_order))
+        self._release_cache.clear()
+        self.state = TraceState.COMPLETE
+
+    def reused_within(self, position: int, module_index: int, window: int) -> frozenset[int]:
+        """Indices of parameters used within ``window`` elements from ``position`` on.
+
+        ``position`` is the next fetch to come, so everything from there counts as
+        "ahead". Cached: the answer is fixed once the trace is frozen.
+        """
+        key = (position, module_index)
+        cached = self._release_cache.get(key)
+        if cached is not None:
+            return cached
+        kept: set[int] = set()
+        traversed = 0
+        start = self.first_entry_at[min(position, len(self.first_entry_at) - 1)]
+        for _, sp in self.param_order[start:]:
+            if traversed >= window:
+                break
+            kept.add(sp.index)
+            traversed += sp.numel
+        result = frozenset(kept)
+        self._release_cache[key] = result
+        return result

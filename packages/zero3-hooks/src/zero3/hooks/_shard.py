@@ -1,0 +1,178 @@
+"""shard_module and its inverse: the user-facing entry points of zero3.hooks."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from zero3.comm import CommBackend, create_backend
+from zero3.core import ShardedModelState, StepStats, Zero3Config, sharded_state
+from zero3.core._state import LeafTarget, _matches, mark_leaf, try_sharded_state
+from zero3.hooks._hooks import ModelHooks, install_hooks
+from zero3.hooks._state_dict import install_state_dict_guards
+
+__all__ = [
+    "ShardedModule",
+    "set_leaf_modules",
+    "shard_module",
+    "stats",
+    "unshard_module",
+]
+
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
+_CLASSES: dict[type, type] = {}
+
+
+class ShardedModule:
+    """Mixin zero3 adds to a sharded module's class (FSDP2 swaps classes the same way).
+
+    The sharded module keeps its class name and behaviour; ``isinstance(model,
+    ShardedModule)`` tells it is sharded. The mixin makes ``model.zero_grad()`` end
+    the gradient accumulation window (trainers such as the HF Trainer call the
+    module's ``zero_grad``, not the optimizer's).
+    """
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients and end zero3's gradient accumulation window."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        state = try_sharded_state(self)  # type: ignore[arg-type]
+        if state is not None:
+            state.reducer.end_window()
+
+
+def _sharded_class(cls: type) -> type:
+    sharded = _CLASSES.get(cls)
+    if sharded is None:
+        # Same name and module: code that reads type(model).__name__ (checkpoint
+        # metadata, logging) sees the user's class.
+        sharded = type(
+            cls.__name__,
+            (ShardedModule, cls),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        _CLASSES[cls] = sharded
+    return sharded
+
+
+def _check_devices(module: nn.Module, comm: CommBackend) -> None:
+    for name, param in module.named_parameters():
+        if param.device.type != comm.device_type:
+            raise ValueError(
+                f"parameter {name!r} is on {param.device} but the {comm.name!r} comm backend "
+                f"moves {comm.device_type} tensors; move the model (model.to(...)) or pick a "
+                "backend for its device (Zero3Config.backend)"
+            )
+
+
+def shard_module(
+    module: nn.Module, config: Zero3Config | None = None, *, comm: CommBackend | None = None
+) -> nn.Module:
+    """Partition ``module``'s parameters across ranks and install zero3's hooks.
+
+    Returns the same module object, which is called as before: forward gathers
+    parameters module by module (prefetching once the order is known), backward
+    gathers them again and reduces gradients into per-rank shards, and the end of
+    backward is detected automatically. Every rank must call this, on identically
+    built models.
+
+    Args:
+        module: The model (all parameters on the device the backend serves).
+        config: Engine settings; default ``Zero3Config()``.
+        comm: A ready backend; default ``zero3.comm.create_backend(config.backend,
+            timeout_s=config.timeout_s)``.
+
+    Raises:
+        ValueError: The module (or one of its parameters) is already sharded, or its
+            parameters are on a device the backend does not serve.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard_module expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedModule) or try_sharded_state(module) is not None:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded; shard a module once "
+            "(zero3.hooks.unshard_module undoes it)"
+        )
+    config = config or Zero3Config()
+    if comm is None:
+        comm = create_backend(config.backend, timeout_s=config.timeout_s)
+    _check_devices(module, comm)
+    state = ShardedModelState.create(module, config, comm)
+    hooks = install_hooks(state)
+    for handle in install_state_dict_guards(state):
+        hooks.add_handle(handle)
+    _HOOKS[module] = hooks
+    module.__class__ = _sharded_class(type(module))
+    return module
+
+
+def unshard_module(module: nn.Module) -> nn.Module:
+    """Undo :func:`shard_module`: full parameters restored on every rank, hooks removed.
+
+    A collective (it gathers every parameter). Returns the same module.
+    """
+    state = sharded_state(module)
+    hooks = _HOOKS.pop(module)
+    state.unshard()
+    hooks.remove()
+    cls = type(module)
+    if issubclass(cls, ShardedModule):
+        module.__class__ = next(c for c in cls.__mro__[1:] if c is not ShardedModule and not issubclass(c, ShardedModule))
+    return module
+
+
+def stats(module: nn.Module) -> StepStats:
+    """The coordinator's counters for the last step of a sharded module."""
+    return sharded_state(module).last_stats()
+
+
+def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
+    """Make every submodule matching ``targets`` a leaf: gathered whole on entry.
+
+    A leaf's subtree is fetched once when it is entered and released when it exits,
+    and its gradients are reduced together once its backward is done — so routing
+    inside it (experts picked differently per rank) cannot desynchronize ranks.
+    Call it before or after :func:`shard_module` (after: between steps).
+
+    Args:
+        module: The (root) model.
+        *targets: Module classes, or qualified or bare class names.
+
+    Returns:
+        The qualified names of the modules marked.
+
+    Raises:
+        ValueError: No submodule matches one of the targets.
+    """
+    if not targets:
+        raise ValueError("set_leaf_modules needs at least one class or class name")
+    marked, matched = [], set()
+    state = try_sharded_state(module)
+    for name, sub in module.named_modules():
+        hit = [t for t in targets if _matches(sub, t)]
+        if not hit:
+            continue
+        matched.update(hit)
+        marked.append(name or "<root>")
+        if state is None:
+            mark_leaf(sub)
+        else:
+            state.set_leaf(sub, True)
+    missing = [t for t in targets if t not in matched]
+    if missing:
+        raise ValueError(f"set_leaf_modules: no submodule of {type(module).__name__} matches {missing!r}")
+    if state is not None:
+        hooks = _HOOKS[module]
+        hooks.remove()
+        fresh = install_hooks(state)
+        for handle in install_state_dict_guards(state):
+            fresh.add_handle(handle)
+        _HOOKS[module] = fresh
+    return marked
+
+
+def _hooks_of(module: nn.Module) -> ModelHooks:
+    return _HOOKS[module]
+
+

@@ -1,0 +1,158 @@
+"""State dicts of sharded modules: never empty or shard-shaped by accident."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from zero3.core import ShardedModelState, gathered_parameters, sharded_state
+from zero3.core._params import ParamStatus, lookup, write_full
+
+__all__ = ["LoadResult", "full_state_dict", "install_state_dict_guards", "load_full_state_dict"]
+
+
+def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, param in dict.items(module._parameters):
+        if param is not None:
+            sp = lookup(param)
+            if sp is not None and not sp.persistent:
+                yield name, param
+
+
+def _save_guard(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for name, param in _sharded_items(module):
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        sp = lookup(param)
+        if sp is None or sp.status is not ParamStatus.AVAILABLE:
+            raise RuntimeError(
+                f"state_dict() of a sharded module: parameter {key!r} is partitioned across "
+                "ranks and not gathered here, so its entry would hold no data. Use "
+                "zero3.hooks.full_state_dict(model, rank0_only=False) (every rank calls it; "
+                "it gathers module by module)."
+            )
+        # Gathered only for now (e.g. inside gathered_parameters): hand out a copy, since
+        # the storage is freed when the parameter is released.
+        state_dict[key] = state_dict[key].detach().clone()
+
+
+def _load_guard(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+    for name, _ in _sharded_items(module):
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"load_state_dict() into a sharded module: parameter {prefix + name!r} is "
+                "partitioned across ranks. Use zero3.hooks.load_full_state_dict(model, "
+                "state_dict), which writes each rank's shard from the full tensors."
+            )
+
+
+def install_state_dict_guards(state: ShardedModelState) -> list[Any]:
+    """Register the save and load guards on every module owning sharded parameters."""
+    handles = []
+    for _, module in state.modules:
+        if any(True for _ in _sharded_items(module)):
+            handles.append(module.register_state_dict_post_hook(_save_guard))
+            handles.append(module.register_load_state_dict_pre_hook(_load_guard))
+    return handles
+
+
+def _entries(root: nn.Module) -> Iterator[tuple[str, nn.Module, str, str]]:
+    """(key, module, kind, name) for every state-dict entry, tied names included."""
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in dict.items(module._parameters):
+            if param is not None:
+                yield dot + name, module, "param", name
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield dot + name, module, "buffer", name
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of a sharded module, gathered module by module.
+
+    A collective: every rank must call it. Peak extra memory is one module's
+    parameters. Keys equal those of the unsharded model's ``state_dict()``; values are
+    CPU copies.
+
+    Args:
+        module: A module returned by :func:`shard_module`.
+        rank0_only: Only rank 0 keeps the tensors (the others return ``{}``, having
+            taken part in the gathers).
+    """
+    state = sharded_state(module)
+    keep = not rank0_only or state.comm.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    by_module: dict[int, list[tuple[str, str, str]]] = {}
+    modules: dict[int, nn.Module] = {}
+    for key, mod, kind, name in _entries(module):
+        by_module.setdefault(id(mod), []).append((key, kind, name))
+        modules[id(mod)] = mod
+    for mod_id, entries in by_module.items():
+        mod = modules[mod_id]
+        params = [dict.__getitem__(mod._parameters, n) for _, k, n in entries if k == "param"]
+        with gathered_parameters(params):
+            for key, kind, name in entries:
+                tensor = dict.__getitem__(mod._parameters, name) if kind == "param" else mod._buffers[name]
+                assert tensor is not None
+                if id(tensor) not in copies:
+                    copies[id(tensor)] = tensor.detach().to("cpu", copy=True) if keep else tensor
+                if keep:
+                    out[key] = copies[id(tensor)]
+    return out
+
+
+class LoadResult(NamedTuple):
+    """Keys :func:`load_full_state_dict` could not match."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+) -> LoadResult:
+    """Load a full (unsharded) state dict into a sharded module.
+
+    Each rank writes its own shard of every parameter from the full tensors (so every
+    rank needs the full state dict, e.g. loaded with ``mmap=True``); persistent and
+    currently gathered parameters are updated whole too. No collective is needed.
+
+    Raises:
+        RuntimeError: With ``strict``, missing or unexpected keys; always, a shape
+            mismatch (naming the key and both shapes).
+    """
+    sharded_state(module)  # a clear error for a module that is not sharded
+    expected = {key: (mod, kind, name) for key, mod, kind, name in _entries(module)}
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
+        )
+    with torch.no_grad():
+        for key, (mod, kind, name) in expected.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            target = dict.__getitem__(mod._parameters, name) if kind == "param" else mod._buffers[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise RuntimeError(
+                    f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
+                    f"dict but {tuple(target.shape)} in the model"
+                )
+            sp = lookup(target) if kind == "param" else None
+            if sp is None:
+                target.copy_(value)
+                continue
+            flat = value.reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
+            start, stop = sp.valid_range(sp.rank)
+            sp.shard[: stop - start].copy_(flat[start:stop])
+            if sp.status is ParamStatus.AVAILABLE:
+                write_full(sp.param, flat)
+    return LoadResult(missing, unexpected)

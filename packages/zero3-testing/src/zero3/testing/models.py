@@ -1,0 +1,259 @@
+"""Small models that exercise every awkward case of a ZeRO-3 engine.
+
+Each model is tiny (so tests set ``param_persistence_threshold=0`` to shard it) and
+deterministic given ``torch.manual_seed``. ``ZOO`` maps a name to a builder returning
+``(model, make_input)`` where ``make_input(batch, seed)`` builds an input batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ZOO",
+    "AlbertLike",
+    "BiasReturning",
+    "Block",
+    "FrozenAndUnused",
+    "MoE",
+    "ParentUsesChildWeight",
+    "TinyGPT",
+    "build",
+    "token_batch",
+]
+
+
+class Attention(nn.Module):
+    """Causal self-attention."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    """Two linear layers with a GELU."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+        self.out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, dim: int, heads: int, hidden: int | None = None) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, hidden or 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT with tied input/output embeddings (one ``nn.Parameter`` in two modules)."""
+
+    def __init__(
+        self, vocab: int = 61, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class AlbertLike(nn.Module):
+    """One block applied three times (ALBERT's shared layers, seed §4.2)."""
+
+    def __init__(self, dim: int = 24, repeats: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.shared = Block(dim, heads=4, hidden=2 * dim)
+        self.repeats = repeats
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for _ in range(self.repeats):
+            x = self.shared(x)
+        return self.head(x)
+
+
+class WithBias(nn.Module):
+    """Returns its bias as a second output instead of adding it (a dangling param)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.bias = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x @ self.weight.t(), self.bias
+
+
+class BiasReturning(nn.Module):
+    """A caller that adds the bias a child returns (seed §4.4)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.a = WithBias(dim)
+        self.b = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, bias = self.a(x)
+        return self.b(torch.tanh(y + bias))
+
+
+class ParentUsesChildWeight(nn.Module):
+    """A parent whose forward reads a child's weight directly (an external param)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.child = nn.Linear(dim, dim)
+        self.other = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.child(x))
+        h = self.other(h)
+        h = h + F.linear(x, self.child.weight)  # the parent reads child.weight itself
+        return self.out(h)
+
+
+class FrozenAndUnused(nn.Module):
+    """Frozen first layers and a submodule that forward never calls."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.frozen = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+        self.train_me = nn.Linear(dim, dim)
+        self.unused = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.train_me(self.frozen(x))))
+
+
+class Expert(nn.Module):
+    """One MoE expert: its own module, so routing changes which modules run."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class MoEBlock(nn.Module):
+    """Top-1 routing over experts that are separate ``nn.Module`` objects.
+
+    Only experts that receive tokens run, so ranks with different data run different
+    modules: sharded, this block must be a leaf.
+    """
+
+    def __init__(self, dim: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(Expert(dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        gates = torch.softmax(self.router(flat), dim=-1)
+        weight, choice = gates.max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if bool(mask.any()):
+                out[mask] = expert(flat[mask]) * weight[mask, None]
+        return out.view_as(x)
+
+
+class MoE(nn.Module):
+    """A dense layer, an MoE block and a head."""
+
+    def __init__(self, dim: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.moe = MoEBlock(dim, experts)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.head(h + self.moe(h))
+
+
+def token_batch(vocab: int, seq: int) -> Callable[[int, int], torch.Tensor]:
+    """An input builder for token models."""
+
+    def make(batch: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (batch, seq), generator=g)
+
+    return make
+
+
+def float_batch(dim: int, seq: int | None = None) -> Callable[[int, int], torch.Tensor]:
+    """An input builder for float models (``(batch, dim)`` or ``(batch, seq, dim)``)."""
+
+    def make(batch: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        shape = (batch, dim) if seq is None else (batch, seq, dim)
+        return torch.randn(*shape, generator=g)
+
+    return make
+
+
+ZOO: dict[str, Callable[[], tuple[nn.Module, Callable[[int, int], torch.Tensor]]]] = {
+    "gpt_tied": lambda: (TinyGPT(), token_batch(61, 16)),
+    "albert_reused": lambda: (AlbertLike(), float_batch(24, seq=6)),
+    "bias_returning": lambda: (BiasReturning(), float_batch(16)),
+    "parent_uses_child_weight": lambda: (ParentUsesChildWeight(), float_batch(16)),
+    "frozen_and_unused": lambda: (FrozenAndUnused(), float_batch(16)),
+    "moe": lambda: (MoE(), float_batch(16, seq=5)),
+}
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[int, int], torch.Tensor]]:
+    """Build a zoo model with a fixed seed (identical on every rank)."""
+    torch.manual_seed(seed)
+    return ZOO[name]()
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """A scalar loss that touches every output element (mean of squares)."""
+    return output.float().pow(2).mean()
