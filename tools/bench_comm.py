@@ -16,8 +16,10 @@ iterations. Backends are interleaved per size so machine drift hits them alike.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -51,7 +53,7 @@ def human(nbytes: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="full buffer sizes, e.g. 4K,1M,64M")
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per point")
+    parser.add_argument("--iters", type=int, default=50, help="timed iterations per point")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per point")
     parser.add_argument(
         "--backends", default="gloo,mpi", help="comma list of gloo, mpi, mpi-nothread"
@@ -73,7 +75,9 @@ def make_backends(names: list[str], mpi: Any, timeout_s: float) -> dict[str, Com
         elif name == "gloo":
             path = None
             if comm.Get_rank() == 0:
-                path = os.path.join(tempfile.mkdtemp(prefix="zero3-bench-"), "store")
+                tmpdir = tempfile.mkdtemp(prefix="zero3-bench-")
+                atexit.register(shutil.rmtree, tmpdir, ignore_errors=True)
+                path = os.path.join(tmpdir, "store")
             path = comm.bcast(path, root=0)
             dist.init_process_group(
                 "gloo",
@@ -114,7 +118,7 @@ def time_point(mpi: Any, run: Callable[[], Work], warmup: int, iters: int) -> fl
         times.append(time.perf_counter() - start)
     slowest = comm.allgather(times)
     per_iter = [max(rank_times[i] for rank_times in slowest) for i in range(iters)]
-    return statistics.median(per_iter)
+    return float(statistics.median(per_iter))
 
 
 def main(argv: list[str] | None = None) -> int:

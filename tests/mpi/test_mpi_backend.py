@@ -351,3 +351,35 @@ def test_timeout_names_the_collective(mpi: Any) -> None:
     assert first_error is not None and "all_reduce" in first_error
     assert "rank 0" in first_error and "1 s" in first_error
     assert t.tolist() == [float(backend.world_size)] * 16
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_has_its_own_collective_sequence():
+    import torch
+
+    from zero3.comm import MPIBackend
+
+    first = MPIBackend(timeout_s=20)
+    second = first.duplicate()
+    try:
+        assert (second.rank, second.world_size) == (first.rank, first.world_size)
+        # Issue on the two in opposite orders on even and odd ranks: with one shared
+        # sequence the pairs would cross; with two they cannot.
+        a = torch.full((4,), float(first.rank))
+        b = torch.full((2,), 10.0 + first.rank)
+        out_a = torch.empty(4 * first.world_size)
+        out_b = torch.empty(2 * first.world_size)
+        if first.rank % 2:
+            wb = second.all_gather(out_b, b)
+            wa = first.all_gather(out_a, a)
+        else:
+            wa = first.all_gather(out_a, a)
+            wb = second.all_gather(out_b, b)
+        wa.wait()
+        wb.wait()
+        n = first.world_size
+        assert out_a.tolist() == [float(r) for r in range(n) for _ in range(4)]
+        assert out_b.tolist() == [10.0 + r for r in range(n) for _ in range(2)]
+    finally:
+        second.close()
+        first.close()

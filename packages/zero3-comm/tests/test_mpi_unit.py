@@ -22,7 +22,7 @@ from zero3.comm import (
     create_backend,
     registered_backends,
 )
-from zero3.comm._mpi import bf16_reduce_local
+from zero3.comm._mpi import _reducible_dtypes, bf16_reduce_local
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -329,3 +329,25 @@ def test_many_requests_from_two_threads(backend: MPIBackend) -> None:
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors
+
+
+def test_reducible_dtypes_follow_the_mpi_library() -> None:
+    # An MPI without a 16-bit float type (fromcode("e") fails) must not claim float16.
+    class NoFloat16:
+        DATATYPE_NULL = MPI.DATATYPE_NULL
+
+        class Datatype:
+            @staticmethod
+            def fromcode(code: str) -> object:
+                if code == "e":
+                    raise ValueError("cannot map code 'e' to MPI datatype")
+                return MPI.Datatype.fromcode(code)
+
+    dtypes = _reducible_dtypes(NoFloat16)
+    assert torch.float16 not in dtypes
+    assert {torch.float32, torch.bfloat16, torch.int64} <= dtypes
+    b = MPIBackend(comm=MPI.COMM_SELF)
+    try:
+        assert b.capabilities.reduce_dtypes == _reducible_dtypes(MPI)
+    finally:
+        b.close()

@@ -269,7 +269,10 @@ class CupyNCCLBackend(CommBackend):
     The ranks agree on the communicator's unique id through, in this order: ``group``
     (or the initialized default torch.distributed group), an explicit ``store`` with
     ``rank``/``world_size``, the launcher environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``: a TCPStore), else a world of one.
+    ``MASTER_ADDR``, ``MASTER_PORT``: a TCPStore), else a world of one. A program that
+    also uses torch.distributed should initialize it first: outside torchrun (whose
+    agent serves the store) rank 0 would otherwise serve a store on ``MASTER_PORT``
+    and a later ``init_process_group("env://")`` could not bind it.
 
     Args:
         group: A torch.distributed group to take rank, size and the id exchange from.
@@ -403,6 +406,29 @@ class CupyNCCLBackend(CommBackend):
 
     def device(self) -> torch.device:
         return torch.device("cuda", self._index)
+
+    def duplicate(self) -> CupyNCCLBackend:
+        """A backend on a new NCCL communicator over the same ranks.
+
+        Collective over the ranks: rank 0 makes a new unique id and this backend's own
+        broadcast carries it, so no store is needed.
+        """
+        from zero3.comm._stream import HostStream
+
+        nccl = self._nccl
+        uid = list(nccl.get_unique_id()) if self.rank == 0 else [0] * len(nccl.get_unique_id())
+        carrier = torch.tensor(uid, dtype=torch.int32, device=self.device())
+        self.broadcast(carrier, src=0).wait(HostStream())
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._store = None
+        with self._cupy.cuda.Device(self._index):
+            clone._comm = nccl.NcclCommunicator(
+                self.world_size, tuple(carrier.cpu().tolist()), self.rank
+            )
+            clone._stream = self._cupy.cuda.Stream(non_blocking=True)
+        clone._torch_stream = torch_external_stream(clone._stream.ptr, self.device())
+        return clone
 
     @property
     def nccl_stream(self) -> CupyStream:

@@ -62,6 +62,23 @@ _LONG_WAIT_S = 0.1
 _LONG_SLEEP_S = 1e-3
 
 
+def _reducible_dtypes(mpi: Any) -> frozenset[torch.dtype]:
+    """The dtypes this MPI library can reduce: those whose wire type it defines.
+
+    MPICH maps numpy's float16 to ``MPIX_C_FLOAT16``; an MPI without a 16-bit float
+    type leaves float16 out, so reducing it raises UnsupportedDTypeError up front.
+    """
+    supported = set()
+    for dtype, code in _REDUCE_CODES.items():
+        try:
+            datatype = mpi.Datatype.fromcode(code)
+        except (KeyError, ValueError):
+            continue
+        if datatype != mpi.DATATYPE_NULL:
+            supported.add(dtype)
+    return frozenset(supported)
+
+
 def import_mpi() -> Any:
     """Import and return ``mpi4py.MPI`` (this initializes MPI on first use).
 
@@ -439,7 +456,11 @@ class MPIBackend(CommBackend):
                 mpi.Query_thread(),
             )
         use_thread = progress_thread and multiple
-        self.capabilities = replace(type(self).capabilities, async_host=use_thread)
+        self.capabilities = replace(
+            type(self).capabilities,
+            reduce_dtypes=_reducible_dtypes(mpi),
+            async_host=use_thread,
+        )
         self._progress = _Progress(mpi, use_thread=use_thread, interval_s=self.progress_interval_s)
         self._closed = False
         _LIVE.add(self)
@@ -451,6 +472,12 @@ class MPIBackend(CommBackend):
         except ImportError as exc:
             return str(exc)
         return None
+
+    def duplicate(self) -> MPIBackend:
+        """A backend on a fresh ``Dup()`` of this communicator (collective over its ranks)."""
+        return MPIBackend(
+            self._comm, timeout_s=self.timeout_s, progress_thread=self._progress.use_thread
+        )
 
     @property
     def comm(self) -> Any:

@@ -82,7 +82,10 @@ class TorchWork(Work):
         self._done = True
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._work.is_completed())
+        # On devices wait() only orders streams; the collective may still be running.
+        if self._done and self._device_type == "cpu":
+            return True
+        return bool(self._work.is_completed())
 
 
 class TorchDistBackend(CommBackend):

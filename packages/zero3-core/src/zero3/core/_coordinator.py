@@ -82,12 +82,12 @@ class ParamCoordinator:
         self.training_step = True
         self.position = 0
         self.diverged = False
-        self._cursor = 0
         self._prefetched: set[int] = set()
         self._inflight: collections.deque[GatherHandle] = collections.deque()
         self._structure_changed = False
         self._warned_invalidation = False
         self.live_numel = 0
+        self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
 
     @staticmethod
@@ -179,7 +179,6 @@ class ParamCoordinator:
             self.trace.start_recording()
         self.position = 0
         self.diverged = False
-        self._cursor = 0
         self._prefetched.clear()
         self.stats.rotate()
 
@@ -284,6 +283,7 @@ class ParamCoordinator:
             if expected == index:
                 return True
             self.diverged = True
+            trace.invalidate()  # the next step records the new order
             self._count_invalidation(
                 f"fetch #{position} of the {trace.kind} step was {self.describe(index)!r}, "
                 f"the trace expected {self.describe(expected) if expected is not None else 'the end'!r}"
@@ -348,26 +348,30 @@ class ParamCoordinator:
             self._inflight.popleft()  # completed gathers no longer pin extra memory
         if len(self._inflight) >= MAX_INFLIGHT_PREFETCHES:
             return
+        if self.live_numel >= self._sharded_numel:
+            return  # everything is gathered already (the default window keeps all)
         budget = min(
             self.config.prefetch_bucket_size,
             self.config.max_live_parameters - self.live_numel,
         )
         trace = self.trace
         order = trace.param_order
-        j = max(self._cursor, trace.first_entry_at[position + 1])
+        # Scan from the next fetch on. Entries already whole are skipped, not consumed:
+        # they may be released before their use and need a prefetch then.
+        j = trace.first_entry_at[position + 1]
         chosen: dict[int, ShardedParam] = {}
         total, first_position = 0, -1
         while j < len(order) and budget > 0:
             entry_position, sp = order[j]
-            if sp.status is ParamStatus.NOT_AVAILABLE and sp.index not in chosen:
-                if total + sp.numel > budget:
-                    break
-                chosen[sp.index] = sp
-                total += sp.numel
-                if first_position < 0:
-                    first_position = entry_position
             j += 1
-        self._cursor = j
+            if sp.status is not ParamStatus.NOT_AVAILABLE or sp.index in chosen:
+                continue
+            if total + sp.numel > budget:
+                break
+            chosen[sp.index] = sp
+            total += sp.numel
+            if first_position < 0:
+                first_position = entry_position
         if chosen:
             self._issue(list(chosen.values()), trace.modules[first_position], forward, prefetch=True)
 

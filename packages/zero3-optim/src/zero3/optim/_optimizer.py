@@ -1,0 +1,434 @@
+"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer (seed §8).
+
+Note (what the wrapped optimizer sees):
+    Each rank owns a 1/N slice of every parameter. Its fp32 master copy lives in flat
+    buffers, one per user param group, cut into ``sub_group_size``-element sub-groups
+    (a parameter's shard never straddles two). By default the wrapped optimizer gets
+    one 1-D tensor per parameter: a view of that parameter's master shard (this rank's
+    real elements, no padding; possibly empty on ranks past a tiny parameter's end).
+    Per-parameter semantics therefore hold: a parameter that no rank produced a
+    gradient for has ``grad None`` and is skipped, exactly as in plain PyTorch, and
+    per-group options (``weight_decay``, ``lr``...) apply per parameter. Shape-aware
+    optimizers (Shampoo, Muon, Adafactor's factored moments) see 1-D shards, not the
+    parameters' shapes. With ``flat=True`` it gets one tensor per sub-group instead
+    (DeepSpeed's way: fewer, larger tensors), whose gradient is zero for gradless
+    parameters, so weight decay then touches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero3.comm import ReduceOp
+from zero3.core import ShardedModelState, ShardedParam, sharded_state
+from zero3.core._coordinator import GATHERED_PARAMETERS
+from zero3.core._gather import GatherHandle, GatherLayout
+from zero3.core._params import ParamStatus, lookup
+from zero3.optim._loss_scale import LossScaler
+
+__all__ = ["PartitionedOptimizer"]
+
+OptimizerSpec = type[torch.optim.Optimizer] | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass(eq=False)
+class _SubGroup:
+    """A chunk of one param group's fp32 master buffer."""
+
+    group: int
+    params: list[ShardedParam]
+    offsets: list[int]
+    master: torch.Tensor  # flat fp32, this rank's real elements of each member
+    views: list[torch.Tensor]
+
+
+def _normalize_groups(
+    module: nn.Module, params: Iterable[Any] | None
+) -> list[dict[str, Any]]:
+    if params is None:
+        params = [p for p in module.parameters() if p.requires_grad]
+    items = list(params)
+    if not items:
+        raise ValueError("PartitionedOptimizer got an empty parameter list")
+    if isinstance(items[0], dict):
+        groups = [dict(g) for g in items]
+    else:
+        groups = [{"params": items}]
+    seen: set[int] = set()
+    for g in groups:
+        if "params" not in g:
+            raise ValueError("each param group must be a dict with a 'params' entry")
+        ps = g["params"]
+        g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for p in g["params"]:
+            if id(p) in seen:
+                raise ValueError(
+                    "a parameter appears in more than one param group "
+                    f"(shape {tuple(p.shape)}); torch.optim refuses that too"
+                )
+            seen.add(id(p))
+    return groups
+
+
+class PartitionedOptimizer(torch.optim.Optimizer):
+    """Wraps any torch-style optimizer to step this rank's fp32 master shards.
+
+    Args:
+        module: A module returned by ``zero3.hooks.shard_module``.
+        optimizer: A ``torch.optim.Optimizer`` subclass (torch's or a third party's
+            following its protocol), or a factory ``param_groups -> optimizer``.
+        params: The module's parameters or param groups, exactly as for torch
+            (``[{"params": [...], "weight_decay": 0.0}, ...]``); default: every
+            trainable parameter. Per-group options are honoured.
+        flat: Hand the wrapped optimizer one tensor per sub-group instead of one per
+            parameter shard (see the module note for what changes).
+        **defaults: Keyword arguments for the optimizer class (``lr=3e-4``...).
+
+    The instance *is* a ``torch.optim.Optimizer``: its ``param_groups`` and ``state``
+    are the wrapped optimizer's, so LR schedulers and trainers work and writing
+    ``param_groups[i]["lr"]`` takes effect. Its parameters are master shards, not the
+    model's parameters.
+
+    Note:
+        A sharded model's ``param.grad`` is always None: gradients live in per-rank
+        shards. ``torch.nn.utils.clip_grad_norm_(model.parameters())`` therefore sees
+        nothing (and returns 0): use :meth:`clip_grad_norm_`, or
+        ``Zero3Config.gradient_clipping``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerSpec,
+        params: Iterable[Any] | None = None,
+        *,
+        flat: bool = False,
+        **defaults: Any,
+    ) -> None:
+        self._constructed = False
+        self._zstate: ShardedModelState = sharded_state(module)
+        self.module = module
+        self.flat = flat
+        config = self._zstate.config
+        groups = _normalize_groups(module, params)
+        self._subgroups = self._build_masters(groups, config.sub_group_size)
+        inner_groups = []
+        for g_index, g in enumerate(groups):
+            options = {k: v for k, v in g.items() if k != "params"}
+            tensors: list[torch.Tensor] = []
+            for sg in self._subgroups:
+                if sg.group == g_index:
+                    tensors.extend([sg.master] if flat else sg.views)
+            inner_groups.append({"params": tensors, **options})
+        if isinstance(optimizer, type):
+            self.optimizer = optimizer(inner_groups, **defaults)
+        else:
+            if defaults:
+                raise TypeError(
+                    "PartitionedOptimizer: keyword defaults go to an optimizer *class*; a "
+                    f"factory must set them itself (got {sorted(defaults)})"
+                )
+            self.optimizer = optimizer(inner_groups)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "PartitionedOptimizer: the optimizer must follow torch.optim.Optimizer's "
+                f"protocol (be an instance of it), got {type(self.optimizer).__name__}"
+            )
+        super().__init__([{"params": [torch.zeros(0)]}], dict(self.optimizer.defaults))
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
+        self.scaler = LossScaler.from_config(
+            config.loss_scale,
+            config.initial_scale_power,
+            config.loss_scale_window,
+            config.hysteresis,
+            config.min_loss_scale,
+        )
+        self.fp16 = any(sp.dtype == torch.float16 for sg in self._subgroups for sp in sg.params)
+        self._grads_unscaled = False
+        self._fp32_scratch: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+        self._constructed = True
+
+    # -- masters ----------------------------------------------------------------------------
+
+    def _build_masters(self, groups: list[dict[str, Any]], sub_group_size: int) -> list[_SubGroup]:
+        subgroups: list[_SubGroup] = []
+        for g_index, g in enumerate(groups):
+            members: list[ShardedParam] = []
+            for p in g["params"]:
+                sp = lookup(p)
+                if sp is None or sp not in self._zstate.params:
+                    raise ValueError(
+                        f"PartitionedOptimizer: a parameter of shape {tuple(p.shape)} in group "
+                        f"{g_index} is not a parameter of this sharded module"
+                    )
+                members.append(sp)
+            chunk: list[ShardedParam] = []
+            size = 0
+            for sp in [*members, None]:
+                if sp is None or (chunk and size + sp.local_numel > sub_group_size):
+                    if chunk:
+                        subgroups.append(self._subgroup(g_index, chunk))
+                    chunk, size = [], 0
+                if sp is not None:
+                    chunk.append(sp)
+                    size += sp.local_numel
+        return subgroups
+
+    @staticmethod
+    def _subgroup(group: int, members: list[ShardedParam]) -> _SubGroup:
+        offsets, cursor = [], 0
+        for sp in members:
+            offsets.append(cursor)
+            cursor += sp.local_numel
+        device = members[0].shard.device
+        master = torch.empty(cursor, dtype=torch.float32, device=device)
+        views = []
+        for sp, offset in zip(members, offsets, strict=True):
+            view = master[offset : offset + sp.local_numel]
+            view.copy_(sp.shard[: sp.local_numel])
+            views.append(view)
+        return _SubGroup(group, members, offsets, master, views)
+
+    def master_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master shard (this rank's real elements) of a model parameter."""
+        sp = lookup(param)
+        for sg in self._subgroups:
+            for member, view in zip(sg.params, sg.views, strict=True):
+                if member is sp:
+                    return view
+        raise ValueError("this parameter is not optimized by this PartitionedOptimizer")
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def _grad_shards(self) -> list[tuple[_SubGroup, int, torch.Tensor]]:
+        """(sub-group, member position, this rank's real gradient elements) with a grad."""
+        out = []
+        reducer = self._zstate.reducer
+        for sg in self._subgroups:
+            for k, sp in enumerate(sg.params):
+                shard = reducer.grad_shard(sp)
+                if shard is not None:
+                    out.append((sg, k, shard[: sp.local_numel]))
+        return out
+
+    def _all_reduce_scalar(self, value: float, op: ReduceOp) -> float:
+        comm = self._zstate.grad_comm
+        t = torch.tensor([value], dtype=torch.float64, device=comm.device())
+        comm.all_reduce(t, op=op).wait()
+        self._zstate.stats.current.other_collectives += 1
+        return float(t.item())
+
+    def _unscale(self) -> None:
+        if self.fp16 and not self._grads_unscaled:
+            inv = 1.0 / self.scaler.scale
+            for _, _, grad in self._grad_shards():
+                grad.mul_(inv)
+            self._grads_unscaled = True
+
+    def _global_norm(self) -> float:
+        local = 0.0
+        for _, _, grad in self._grad_shards():
+            local += float(grad.float().pow(2).sum())
+        return math.sqrt(self._all_reduce_scalar(local, ReduceOp.SUM))
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip gradients by their global norm over all ranks, like
+        ``torch.nn.utils.clip_grad_norm_``; returns the norm before clipping.
+
+        A collective (every rank calls it). In fp16 it first unscales the gradients
+        (as ``torch.amp.GradScaler.unscale_`` would), so ``max_norm`` is in real units.
+        """
+        self._unscale()
+        norm = self._global_norm()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for _, _, grad in self._grad_shards():
+                grad.mul_(coef)
+        self.last_grad_norm = norm
+        return torch.tensor(norm)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (fp16): call ``.backward()`` on the result.
+
+        bf16 and fp32 need no scaling; the loss comes back unchanged there.
+        """
+        return loss * self.scaler.scale if self.fp16 else loss
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.fp16 else 1.0
+
+    def _overflow(self) -> bool:
+        local = 0.0
+        for _, _, grad in self._grad_shards():
+            if not bool(torch.isfinite(grad).all()):
+                local = 1.0
+                break
+        return self._all_reduce_scalar(local, ReduceOp.MAX) > 0
+
+    # -- step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the master shards and write the results back into the model.
+
+        Gradient shards become fp32 (the only conversion to fp32), fp16 overflow is
+        checked on every rank (an overflow anywhere skips the step everywhere),
+        ``Zero3Config.gradient_clipping`` clips by the global norm, the wrapped
+        optimizer steps, and the updated shards go back into the parameters in their
+        dtype; persistent parameters are refreshed in one coalesced gather. Ends the
+        gradient accumulation window.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            if self.fp16 and self._overflow():
+                self.scaler.update(overflow=True)
+                return loss
+            self._unscale()
+            clip = self._zstate.config.gradient_clipping
+            if clip is not None:
+                self.clip_grad_norm_(clip)
+            for sg in self._subgroups:
+                self._step_subgroup(sg)
+            self._write_back()
+            if self.fp16:
+                self.scaler.update(overflow=False)
+        finally:
+            self._end_window()
+        return loss
+
+    def _step_subgroup(self, sg: _SubGroup) -> None:
+        reducer = self._zstate.reducer
+        grads = [reducer.grad_shard(sp) for sp in sg.params]
+        if all(g is None for g in grads):
+            if self.flat:
+                sg.master.grad = None
+            return
+        if self.flat:
+            scratch = self._scratch(sg.master.numel())
+            scratch.zero_()
+            for sp, offset, grad in zip(sg.params, sg.offsets, grads, strict=True):
+                if grad is not None:
+                    scratch[offset : offset + sp.local_numel].copy_(grad[: sp.local_numel])
+            sg.master.grad = scratch
+        else:
+            for sp, view, grad in zip(sg.params, sg.views, grads, strict=True):
+                if grad is None:
+                    view.grad = None
+                elif grad.dtype == torch.float32:
+                    view.grad = grad[: sp.local_numel]  # no copy: already fp32
+                else:
+                    view.grad = grad[: sp.local_numel].float()
+        # With several sub-groups the wrapped optimizer steps once per sub-group; the
+        # other sub-groups' tensors have grad None then, so it skips them (seed §8).
+        self.optimizer.step()
+        for view in [sg.master, *sg.views]:
+            view.grad = None
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        if self._fp32_scratch is None or self._fp32_scratch.numel() < numel:
+            device = self._subgroups[0].master.device
+            self._fp32_scratch = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._fp32_scratch[:numel]
+
+    def _write_back(self) -> None:
+        refresh: list[ShardedParam] = []
+        for sg in self._subgroups:
+            for sp, view in zip(sg.params, sg.views, strict=True):
+                sp.shard[: sp.local_numel].copy_(view)
+                if sp.persistent or sp.status is ParamStatus.AVAILABLE:
+                    refresh.append(sp)
+        if refresh:
+            self._refresh(refresh)
+
+    def _refresh(self, params: Sequence[ShardedParam]) -> None:
+        """One coalesced gather re-assembling whole parameters from updated shards."""
+        state = self._zstate
+        ordered = sorted(params, key=lambda sp: sp.index)
+        layout = GatherLayout.build(ordered)
+        coordinator = state.coordinator
+        handle = GatherHandle(
+            state.comm, layout, GATHERED_PARAMETERS, coordinator.describe, None
+        )
+        handle.finish(state.comm.current_stream())
+        stats = state.stats.current
+        stats.refresh_gathers += 1
+        stats.refresh_bytes += layout.chunk_bytes * state.comm.world_size
+
+    def _end_window(self) -> None:
+        self._grads_unscaled = False
+        self._zstate.reducer.end_window()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """End the gradient accumulation window (gradients live in zero3's shards)."""
+        for sg in self._subgroups:
+            sg.master.grad = None
+            for view in sg.views:
+                view.grad = None
+        self._end_window()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: zero3 lays out master shards when the optimizer is built."""
+        if not self._constructed:  # called by Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        raise NotImplementedError(
+            "PartitionedOptimizer cannot add param groups after construction; pass every "
+            "group to the constructor"
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, fp32 masters and loss scale (per-rank file)."""
+        comm = self._zstate.comm
+        return {
+            "inner": self.optimizer.state_dict(),
+            "masters": [sg.master.detach().clone() for sg in self._subgroups],
+            "layout": [[sp.name for sp in sg.params] for sg in self._subgroups],
+            "flat": self.flat,
+            "rank": comm.rank,
+            "world_size": comm.world_size,
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of the same rank of a same-sized world.
+
+        The model's shards (and persistent parameters) are set from the masters.
+        """
+        comm = self._zstate.comm
+        if (state_dict.get("world_size"), state_dict.get("rank")) != (comm.world_size, comm.rank):
+            raise ValueError(
+                "PartitionedOptimizer.load_state_dict: the state was saved by rank "
+                f"{state_dict.get('rank')} of {state_dict.get('world_size')}, this is rank "
+                f"{comm.rank} of {comm.world_size}; load each rank's own file (resharding "
+                "to another world size is not supported yet)"
+            )
+        layout = [[sp.name for sp in sg.params] for sg in self._subgroups]
+        if state_dict.get("layout") != layout or state_dict.get("flat") != self.flat:
+            raise ValueError(
+                "PartitionedOptimizer.load_state_dict: the parameter groups differ from the "
+                "ones the state was saved with (names, order, sub_group_size or flat)"
+            )
+        self.optimizer.load_state_dict(state_dict["inner"])
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        with torch.no_grad():
+            for sg, master in zip(self._subgroups, state_dict["masters"], strict=True):
+                sg.master.copy_(master)
+            self._write_back()
+        self.scaler.load_state_dict(state_dict["scaler"])
