@@ -10,6 +10,14 @@ Note (same reductions whatever the data):
     issues the same reductions in the same order. A member that got no gradient on
     this rank contributes zeros; every bucket is reduced once per backward.
 
+Note (reduction fingerprints):
+    Reductions add data up, so a fingerprint cannot ride along as bytes the way it does
+    in gathers. Instead every rank region ends with 16 elements holding the bits of the
+    bucket's key as 0.0/1.0. Averaged over ranks a bit stays exactly 0 or 1 when every
+    rank reduced the same bucket, and becomes a fraction on *every* rank when they did
+    not, so a rank whose bucket plan differs (or a forced arrival-order plan) is caught
+    at the epilogue, before any optimizer step uses the mixed gradients.
+
 Note (rank-major layout, §5.2):
     A bucket's flat buffer holds ``N`` regions of ``S`` elements; region ``r`` is
     chunk ``r`` of every member's padded gradient. One reduce-scatter then leaves each
@@ -29,7 +37,16 @@ import torch
 
 from zero3.core._params import ShardedParam
 
-__all__ = ["GradBucket", "plan_buckets"]
+__all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "plan_buckets"]
+
+#: Elements at the end of every rank region that carry the bucket key's bits.
+FINGERPRINT_SLOTS = 16
+
+
+def fingerprint_bits(key: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype)."""
+    bits = [(key >> i) & 1 for i in range(FINGERPRINT_SLOTS)]
+    return torch.tensor(bits, dtype=dtype, device=device)
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,7 +58,8 @@ class GradBucket:
         dtype: dtype gradients are reduced and accumulated in.
         params: Members, in layout order.
         offsets: Each member's offset (elements) inside one rank region.
-        region_numel: Elements of one rank region (``S``).
+        region_numel: Gradient elements of one rank region (``S``); the region is
+            followed by :data:`FINGERPRINT_SLOTS` fingerprint elements.
         partition_offset: Where the bucket's region lives in the partition buffer of
             its dtype.
         leaf: Index of the leaf module whose subtree owns the members, or None.
@@ -75,6 +93,18 @@ class GradBucket:
         return self.params[0].world_size
 
     @property
+    def stride(self) -> int:
+        """Elements of one rank region, fingerprint included."""
+        return self.region_numel + FINGERPRINT_SLOTS
+
+    def new_flat(self, device: torch.device) -> torch.Tensor:
+        """A zeroed rank-major buffer with this bucket's fingerprint in every region."""
+        flat = torch.zeros(self.world_size * self.stride, dtype=self.dtype, device=device)
+        tails = flat.view(self.world_size, self.stride)[:, self.region_numel :]
+        tails.copy_(fingerprint_bits(self.index, self.dtype, device).expand_as(tails))
+        return flat
+
+    @property
     def payload_numel(self) -> int:
         """Real gradient elements reduced by this bucket."""
         return sum(sp.numel for sp in self.params)
@@ -83,7 +113,7 @@ class GradBucket:
         """A member's padded gradient inside the flat buffer, as an ``(N, s)`` view."""
         assert self.flat is not None
         sp = self.params[position]
-        region = self.flat.view(self.world_size, self.region_numel)
+        region = self.flat.view(self.world_size, self.stride)
         offset = self.offsets[position]
         return region[:, offset : offset + sp.shard_numel]
 
@@ -91,9 +121,7 @@ class GradBucket:
         """Copy (or add) a member's full gradient into its rank-major slot."""
         if self.flat is None:
             # Zeros: padding and members without a gradient must reduce as zeros.
-            self.flat = torch.zeros(
-                self.world_size * self.region_numel, dtype=self.dtype, device=grad.device
-            )
+            self.flat = self.new_flat(grad.device)
         sp = self.params[position]
         slot, flat_grad = self.slot(position), grad.reshape(-1)
         rows, rem = divmod(sp.numel, sp.shard_numel) if sp.shard_numel else (0, 0)
@@ -143,7 +171,7 @@ def plan_buckets(
             offsets.append(cursor)
             cursor += sp.shard_numel
         start = offsets_by_dtype.get(dtype, 0)
-        offsets_by_dtype[dtype] = start + cursor
+        offsets_by_dtype[dtype] = start + cursor + FINGERPRINT_SLOTS
         buckets.append(
             GradBucket(len(buckets), dtype, list(current), offsets, cursor, start, leaf)
         )

@@ -344,9 +344,12 @@ class ParamCoordinator:
         return handle
 
     def _prefetch(self, position: int, forward: bool) -> None:
-        while self._inflight and self._inflight[0].is_completed():
-            self._inflight.popleft()  # completed gathers no longer pin extra memory
-        if len(self._inflight) >= MAX_INFLIGHT_PREFETCHES:
+        # A prefetch leaves the in-flight count when a fetch consumes it, never when the
+        # network happens to finish it: every decision that issues a collective must be
+        # the same on every rank, and completion timing is not.
+        while self._inflight and self._inflight[0].finished:
+            self._inflight.popleft()
+        if sum(1 for h in self._inflight if not h.finished) >= MAX_INFLIGHT_PREFETCHES:
             return
         if self.live_numel >= self._sharded_numel:
             return  # everything is gathered already (the default window keeps all)

@@ -27,8 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from zero3.comm import CommBackend, ReduceOp, Work
-from zero3.core._buckets import GradBucket, plan_buckets
+from zero3.core._buckets import FINGERPRINT_SLOTS, GradBucket, fingerprint_bits, plan_buckets
 from zero3.core._config import Zero3Config
+from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ShardedParam
 from zero3.core._stats import StatsBook
 
@@ -36,6 +37,8 @@ __all__ = ["MAX_INFLIGHT_REDUCTIONS", "GradReducer"]
 
 #: Reductions allowed in flight before the oldest is waited for.
 MAX_INFLIGHT_REDUCTIONS = 4
+#: Fingerprint key of the late-gradient reduction.
+_LATE_KEY = 0xFFFF
 
 _Finish = Callable[[], None]
 
@@ -105,6 +108,7 @@ class GradReducer:
         self._late: dict[int, torch.Tensor] = {}
         self._next_launch = 0
         self._dynamic: list[tuple[ShardedParam, torch.Tensor]] = []
+        self._fingerprints: list[tuple[int, torch.Tensor]] = []
         for bucket in self.buckets:
             bucket.reset()
 
@@ -113,7 +117,7 @@ class GradReducer:
     def _partition(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._partitions.get(dtype)
         if buf is None:
-            numel = sum(b.region_numel for b in self.buckets if b.dtype == dtype)
+            numel = sum(b.stride for b in self.buckets if b.dtype == dtype)
             buf = torch.zeros(numel, dtype=dtype, device=device)
             self._partitions[dtype] = buf
         return buf
@@ -189,47 +193,45 @@ class GradReducer:
         bucket.launched = True
         device = bucket.params[0].shard.device
         partition = self._partition(bucket.dtype, device)
-        region = partition[bucket.partition_offset : bucket.partition_offset + bucket.region_numel]
-        if not self.config.contiguous_gradients and not self.all_reduce_path:
-            self._launch_discrete(bucket, region)
-            return
-        if bucket.flat is None:  # no member got a gradient here: reduce zeros
-            if not self.config.contiguous_gradients:
-                for k in range(len(bucket.params)):
-                    grad = bucket.grads.get(bucket.params[k].index)
-                    if grad is not None:
-                        bucket.write(k, grad, accumulate=False)
-            if bucket.flat is None:
-                bucket.flat = torch.zeros(
-                    bucket.world_size * bucket.region_numel, dtype=bucket.dtype, device=device
-                )
-        flat = bucket.flat
+        region = partition[bucket.partition_offset : bucket.partition_offset + bucket.stride]
+        if not self.config.contiguous_gradients:
+            if not self.all_reduce_path:
+                self._launch_discrete(bucket, region)
+                return
+            for k, sp in enumerate(bucket.params):  # all-reduce needs the flat layout
+                grad = bucket.grads.get(sp.index)
+                if grad is not None:
+                    bucket.write(k, grad, accumulate=False)
+        flat = bucket.flat if bucket.flat is not None else bucket.new_flat(device)
         bucket.flat, bucket.grads = None, {}
-        self._reduce_flat(flat, region, bucket.payload_numel, bucket.dtype)
+        self._reduce_flat(flat, region, bucket.index, bucket.payload_numel)
 
-    def _reduce_flat(
-        self, flat: torch.Tensor, region: torch.Tensor, payload_numel: int, dtype: torch.dtype
-    ) -> None:
-        """Reduce a rank-major buffer into ``region`` (copy on micro-step 0, else add)."""
+    def _reduce_flat(self, flat: torch.Tensor, region: torch.Tensor, key: int, payload_numel: int) -> None:
+        """Reduce a rank-major buffer (regions of ``region.numel()`` elements, the last
+        :data:`FINGERPRINT_SLOTS` a fingerprint) into ``region``: copy on micro-step 0,
+        else add."""
         accumulate = self.micro_step > 0
         rank, world = self.comm.rank, self.comm.world_size
+        size = region.numel() - FINGERPRINT_SLOTS
         if self.all_reduce_path:
             work = self.comm.all_reduce(flat, op=ReduceOp.AVG)
 
             def finish() -> None:
                 mine = flat.view(world, -1)[rank]
-                region.add_(mine) if accumulate else region.copy_(mine)
+                region[:size].add_(mine[:size]) if accumulate else region.copy_(mine)
+                self._fingerprints.append((key, mine[size:]))
 
-            self._count(payload_numel, flat.numel(), dtype, factor=2)
+            self._count(payload_numel, flat.numel(), flat.dtype, factor=2)
         else:
             target = torch.empty_like(region) if accumulate else region
             work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG)
 
             def finish() -> None:
                 if accumulate:
-                    region.add_(target)
+                    region[:size].add_(target[:size])
+                self._fingerprints.append((key, target[size:]))
 
-            self._count(payload_numel, flat.numel(), dtype, factor=1)
+            self._count(payload_numel, flat.numel(), flat.dtype, factor=1)
         self._track(work, finish)
 
     def _launch_discrete(self, bucket: GradBucket, region: torch.Tensor) -> None:
@@ -241,12 +243,17 @@ class GradReducer:
             offset = bucket.offsets[k]
             outputs.append(target[offset : offset + sp.shard_numel])
             inputs.append(bucket.padded_grad(k, region.device))
+        size = bucket.region_numel
+        outputs.append(target[size:])
+        bits = fingerprint_bits(bucket.index, bucket.dtype, region.device)
+        inputs.append(bits.repeat(bucket.world_size))
         bucket.grads = {}
         work = self.comm.reduce_scatter_coalesced(outputs, inputs, op=ReduceOp.AVG)
 
         def finish() -> None:
             if accumulate:
-                region.add_(target)
+                region[:size].add_(target[:size])
+            self._fingerprints.append((bucket.index, target[size:]))
 
         self._count(bucket.payload_numel, sum(t.numel() for t in inputs), bucket.dtype, 1)
         self._track(work, finish)
@@ -254,9 +261,11 @@ class GradReducer:
     def _count(self, payload_numel: int, buffer_numel: int, dtype: torch.dtype, factor: int) -> None:
         stats = self.stats.current
         elem = torch.empty((), dtype=dtype).element_size()
+        fingerprint = self.comm.world_size * FINGERPRINT_SLOTS
         stats.reduce_collectives += 1
         stats.reduce_payload_bytes += factor * payload_numel * elem
-        stats.reduce_padding_bytes += factor * (buffer_numel - payload_numel) * elem
+        stats.reduce_fingerprint_bytes += factor * fingerprint * elem
+        stats.reduce_padding_bytes += factor * (buffer_numel - payload_numel - fingerprint) * elem
 
     def _track(self, work: Work, finish: _Finish) -> None:
         self._inflight.append((work, finish))
@@ -269,6 +278,24 @@ class GradReducer:
         work.wait(self.comm.current_stream())
         finish()
 
+    def _check_fingerprints(self) -> None:
+        """Every reduction's fingerprint bits must have come back exactly 0 or 1."""
+        if not self._fingerprints:
+            return
+        keys = [key for key, _ in self._fingerprints]
+        got = torch.stack([t.float() for _, t in self._fingerprints]).cpu()
+        self._fingerprints = []
+        expected = torch.stack([fingerprint_bits(k, torch.float32) for k in keys])
+        bad = (got != expected).any(dim=1)
+        if bool(bad.any()):
+            first = int(torch.nonzero(bad)[0])
+            raise FingerprintMismatchError(
+                f"zero3: ranks reduced different gradient buckets together (this rank's "
+                f"reduction #{first}, bucket key {keys[first]}, came back mixed). The ranks' "
+                "bucket plans differ: every rank must shard identically built models with the "
+                "same trainable parameters and leaf modules."
+            )
+
     # -- arrival-order buckets (the private off switch) ------------------------------------
 
     def _arrive_dynamic(self, sp: ShardedParam, grad: torch.Tensor) -> None:
@@ -277,15 +304,29 @@ class GradReducer:
             self._flush_dynamic()
 
     def _flush_dynamic(self) -> None:
+        """Reduce the arrival-ordered gradients one parameter at a time."""
         for sp, grad in self._dynamic:
             bucket, k = self._bucket_of[sp.index]
-            region = self._partition(bucket.dtype, grad.device)
-            start = bucket.partition_offset + bucket.offsets[k]
-            out = region[start : start + sp.shard_numel]
+            world, size = sp.world_size, sp.shard_numel
+            flat = torch.empty(world, size + FINGERPRINT_SLOTS, dtype=bucket.dtype, device=grad.device)
             padded = torch.zeros(sp.padded_numel, dtype=bucket.dtype, device=grad.device)
             padded[: sp.numel].copy_(grad)
-            self._reduce_flat(padded, out, sp.numel, bucket.dtype)
+            flat[:, :size].copy_(padded.view(world, size))
+            flat[:, size:] = fingerprint_bits(sp.index, bucket.dtype, grad.device)
+            scratch = torch.zeros(size + FINGERPRINT_SLOTS, dtype=bucket.dtype, device=grad.device)
+            self._reduce_flat(flat.view(-1), scratch, sp.index, sp.numel)
+            self._finish_all()
+            partition = self._partition(bucket.dtype, grad.device)
+            start = bucket.partition_offset + bucket.offsets[k]
+            if self.micro_step:
+                partition[start : start + size].add_(scratch[:size])
+            else:
+                partition[start : start + size].copy_(scratch[:size])
         self._dynamic = []
+
+    def _finish_all(self) -> None:
+        while self._inflight:
+            self._finish_oldest()
 
     # -- epilogue -----------------------------------------------------------------------------
 
@@ -301,8 +342,8 @@ class GradReducer:
                 self._in_epilogue = False
         else:
             self._flush_dynamic()
-        while self._inflight:
-            self._finish_oldest()
+        self._finish_all()
+        self._check_fingerprints()
         n = len(self.params)
         flags = torch.zeros(2 * n, dtype=torch.uint8)
         flags[:n] = self._arrived
@@ -321,27 +362,28 @@ class GradReducer:
     def _reduce_late(self, late: torch.Tensor) -> None:
         """One extra reduction for gradients that arrived after their bucket left."""
         members = [self.params[int(k)] for k in torch.nonzero(late).flatten()]
-        outputs, inputs = [], []
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for sp in members:
-            bucket, k = self._bucket_of[sp.index]
-            buf = self._partition(bucket.dtype, sp.shard.device)
-            start = bucket.partition_offset + bucket.offsets[k]
-            outputs.append(torch.empty(sp.shard_numel, dtype=bucket.dtype, device=buf.device))
-            padded = torch.zeros(sp.padded_numel, dtype=bucket.dtype, device=buf.device)
-            grad = self._late.get(sp.index)
-            if grad is not None:
-                padded[: sp.numel].copy_(grad.reshape(-1))
-            inputs.append(padded)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for k, sp in enumerate(members):
-            by_dtype.setdefault(self._bucket_of[sp.index][0].dtype, []).append(k)
-        for ks in by_dtype.values():
-            self.comm.reduce_scatter_coalesced(
-                [outputs[k] for k in ks], [inputs[k] for k in ks], op=ReduceOp.AVG
-            ).wait()
+            by_dtype.setdefault(self._bucket_of[sp.index][0].dtype, []).append(sp)
+        for dtype, group in by_dtype.items():
+            device = group[0].shard.device
+            outputs = [torch.empty(sp.shard_numel, dtype=dtype, device=device) for sp in group]
+            inputs = []
+            for sp in group:
+                padded = torch.zeros(sp.padded_numel, dtype=dtype, device=device)
+                grad = self._late.get(sp.index)
+                if grad is not None:
+                    padded[: sp.numel].copy_(grad.reshape(-1))
+                inputs.append(padded)
+            key = _LATE_KEY
+            outputs.append(torch.empty(FINGERPRINT_SLOTS, dtype=dtype, device=device))
+            inputs.append(fingerprint_bits(key, dtype, device).repeat(self.comm.world_size))
+            self.comm.reduce_scatter_coalesced(outputs, inputs, op=ReduceOp.AVG).wait()
+            self._fingerprints.append((key, outputs[-1]))
             self.stats.current.late_reductions += 1
-        for sp, out in zip(members, outputs, strict=True):
-            bucket, k = self._bucket_of[sp.index]
-            buf = self._partition(bucket.dtype, sp.shard.device)
-            start = bucket.partition_offset + bucket.offsets[k]
-            buf[start : start + sp.shard_numel].add_(out)
+            for sp, out in zip(group, outputs, strict=False):
+                bucket, k = self._bucket_of[sp.index]
+                buf = self._partition(bucket.dtype, device)
+                start = bucket.partition_offset + bucket.offsets[k]
+                buf[start : start + sp.shard_numel].add_(out)
+        self._check_fingerprints()

@@ -39,6 +39,7 @@ class StepStats:
         reduce_payload_bytes: Gradient bytes in reduction buffers (twice for the
             all-reduce path: it moves twice the bytes).
         reduce_padding_bytes: Padding bytes in reduction buffers (same factor).
+        reduce_fingerprint_bytes: Fingerprint bytes in reduction buffers (same factor).
         grad_flag_bytes: Bytes of the got-gradient flags collective.
         late_reductions: Extra reductions for gradients that arrived after their
             bucket left (reentrant checkpointing).
@@ -64,6 +65,7 @@ class StepStats:
     reduce_collectives: int = 0
     reduce_payload_bytes: int = 0
     reduce_padding_bytes: int = 0
+    reduce_fingerprint_bytes: int = 0
     grad_flag_bytes: int = 0
     late_reductions: int = 0
     refresh_gathers: int = 0
@@ -95,6 +97,7 @@ class StepStats:
             self.gather_padding_bytes
             + self.gather_fingerprint_bytes
             + self.reduce_padding_bytes
+            + self.reduce_fingerprint_bytes
             + self.grad_flag_bytes
         )
 

@@ -19,11 +19,14 @@ __all__ = [
     "AlbertLike",
     "BiasReturning",
     "Block",
+    "Checkpointed",
     "FrozenAndUnused",
     "MoE",
     "ParentUsesChildWeight",
+    "Routed",
     "TinyGPT",
     "build",
+    "routed_input",
     "token_batch",
 ]
 
@@ -217,6 +220,58 @@ class MoE(nn.Module):
         return self.head(h + self.moe(h))
 
 
+class Checkpointed(nn.Module):
+    """Blocks run under ``torch.utils.checkpoint``; ``shared`` is used inside and outside.
+
+    With reentrant checkpointing the inner backward delivers ``shared``'s gradient in
+    two parts (NOTES), which must accumulate, never reduce twice.
+    """
+
+    def __init__(self, reentrant: bool, dim: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.shared = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, 3)
+
+    def _region(self, x: torch.Tensor, block: nn.Module) -> torch.Tensor:
+        return block(x) + self.shared(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.shared(x)
+        for block in self.blocks:
+            h = h + checkpoint(self._region, h, block, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+class Routed(nn.Module):
+    """An MoE block whose router sends rank r's tokens to expert r (see ``routed_input``)."""
+
+    def __init__(self, dim: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.moe = MoEBlock(dim, experts)
+        with torch.no_grad():
+            self.moe.router.weight.zero_()
+            self.moe.router.weight[:, :experts] = torch.eye(experts) * 10
+            self.moe.router.bias.zero_()
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(x))
+
+
+def routed_input(rank: int, dim: int = 8, n: int = 5, seed: int = 0) -> torch.Tensor:
+    """Tokens the ``Routed`` router sends to expert ``rank`` (nothing to the others)."""
+    x = torch.randn(n, dim, generator=torch.Generator().manual_seed(1000 * seed + rank)) * 0.1
+    x[:, rank] = 5.0
+    return x
+
+
 def token_batch(vocab: int, seq: int) -> Callable[[int, int], torch.Tensor]:
     """An input builder for token models."""
 
@@ -245,6 +300,8 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, Callable[[int, int], torch.Tensor]]
     "parent_uses_child_weight": lambda: (ParentUsesChildWeight(), float_batch(16)),
     "frozen_and_unused": lambda: (FrozenAndUnused(), float_batch(16)),
     "moe": lambda: (MoE(), float_batch(16, seq=5)),
+    "checkpoint_reentrant": lambda: (Checkpointed(reentrant=True), float_batch(16)),
+    "checkpoint_non_reentrant": lambda: (Checkpointed(reentrant=False), float_batch(16)),
 }
 
 

@@ -1,0 +1,91 @@
+"""Tiny transformers models built from configs (no download): Llama, GPT-2, ALBERT, Mixtral.
+
+transformers is a test-only dependency; importing this module imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["HF_MODELS", "build_hf", "leaf_classes"]
+
+VOCAB = 64
+SEQ = 12
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        )
+    )
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+    )
+
+
+def _albert() -> nn.Module:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return AlbertForMaskedLM(
+        AlbertConfig(
+            vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3,
+            num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+    )
+
+
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=32,
+        )
+    )
+
+
+HF_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "albert": _albert,
+    "mixtral": _mixtral,
+}
+
+
+def leaf_classes(name: str) -> tuple[str, ...]:
+    """Leaf modules to mark for a model (Mixtral's MoE block)."""
+    return ("MixtralSparseMoeBlock",) if name == "mixtral" else ()
+
+
+def build_hf(name: str, seed: int = 0) -> nn.Module:
+    """A tiny model of the family, identical on every rank, dropout off."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = HF_MODELS[name]()
+    model.config.use_cache = False
+    return model
+
+
+def tokens(batch: int, seed: int) -> torch.Tensor:
+    """A deterministic batch of token ids."""
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
