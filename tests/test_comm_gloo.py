@@ -25,7 +25,7 @@ def _all_collectives(dtype: torch.dtype, asynchronous: bool) -> None:
     comm = GlooBackend(timeout_s=30)
     r, n = comm.rank, comm.world_size
 
-    def done(work) -> None:  # noqa: ANN001
+    def done(work) -> None:
         if asynchronous:
             work.wait()
         else:
@@ -172,7 +172,11 @@ def _stuck_peer() -> dict[str, object]:
     try:
         comm.all_reduce(torch.ones(8)).wait()
     except CommError as exc:
-        return {"elapsed": time.monotonic() - start, "message": str(exc), "type": type(exc).__name__}
+        return {
+            "elapsed": time.monotonic() - start,
+            "message": str(exc),
+            "type": type(exc).__name__,
+        }
     return {"message": "no error"}
 
 

@@ -111,8 +111,14 @@ def _trace_lifecycle() -> dict[str, object]:
             expected = m(expected)
         assert torch.equal(out, expected), step
         stats = state.stats.current
-        log.append((c.traces["train"].state.value, stats.trace_invalidations, stats.gathers,
-                    stats.prefetch_hits))
+        log.append(
+            (
+                c.traces["train"].state.value,
+                stats.trace_invalidations,
+                stats.gathers,
+                stats.prefetch_hits,
+            )
+        )
     return {"log": log}
 
 

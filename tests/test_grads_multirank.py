@@ -44,7 +44,9 @@ def _grad_parity(name: str, micro_steps: int = 1, **config) -> dict[str, object]
         # One process, same global batch: the mean over ranks of per-rank means.
         loss_of(reference(x)).backward()
     worst, missing = 0.0, []
-    for (pname, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+    for (pname, p), (_, q) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
         g = full_grad(p)
         if q.grad is None or not q.requires_grad:
             if g is not None and bool(g.abs().max() > 0):
@@ -126,7 +128,9 @@ def _bf16_grads(name: str, **config) -> dict[str, object]:
         local = LOCAL
     reference = copy.deepcopy(model)
     leaf = (MoEBlock,) if name == "routed" else ()
-    shard_module(model, Zero3Config(param_persistence_threshold=0, leaf_modules=leaf, **config), comm=comm)
+    shard_module(
+        model, Zero3Config(param_persistence_threshold=0, leaf_modules=leaf, **config), comm=comm
+    )
     xs = x if not x.is_floating_point() else x.to(torch.bfloat16)
     loss_of(model(xs[r * local : (r + 1) * local])).backward()
     loss_of(reference(x)).backward()
@@ -151,15 +155,21 @@ def _hf_checkpointing(name: str, reentrant: bool) -> dict[str, object]:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         m.train()
     shard_module(
-        model, Zero3Config(param_persistence_threshold=0, leaf_modules=leaf_classes(name)), comm=comm
+        model,
+        Zero3Config(param_persistence_threshold=0, leaf_modules=leaf_classes(name)),
+        comm=comm,
     )
     ids = tokens(2 * n, 0)
     model(input_ids=ids[2 * r : 2 * r + 2], labels=ids[2 * r : 2 * r + 2]).loss.backward()
     reference(input_ids=ids.view(n, 2, -1)[0], labels=ids.view(n, 2, -1)[0])  # warm path
     reference.zero_grad()
-    total = sum(
-        reference(input_ids=ids[2 * q : 2 * q + 2], labels=ids[2 * q : 2 * q + 2]).loss for q in range(n)
-    ) / n
+    total = (
+        sum(
+            reference(input_ids=ids[2 * q : 2 * q + 2], labels=ids[2 * q : 2 * q + 2]).loss
+            for q in range(n)
+        )
+        / n
+    )
     total.backward()
     worst = 0.0
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -185,7 +195,9 @@ def _bytes_theory(grad_reduce_op: str) -> dict[str, object]:
     model, make = build("gpt_tied")
     shard_module(
         model,
-        Zero3Config(param_persistence_threshold=0, grad_reduce_op=grad_reduce_op, reduce_bucket_size=3000),
+        Zero3Config(
+            param_persistence_threshold=0, grad_reduce_op=grad_reduce_op, reduce_bucket_size=3000
+        ),
         comm=comm,
     )
     state = sharded_state(model)
@@ -230,7 +242,12 @@ def _arrival_order_buckets(fixed: bool) -> dict[str, object]:
     model = Routed()
     shard_module(
         model,
-        Zero3Config(param_persistence_threshold=0, leaf_modules=(MoEBlock,), reduce_bucket_size=200, timeout_s=6),
+        Zero3Config(
+            param_persistence_threshold=0,
+            leaf_modules=(MoEBlock,),
+            reduce_bucket_size=200,
+            timeout_s=6,
+        ),
         comm=comm,
     )
     sharded_state(model).reducer.fixed_buckets = fixed  # the private off switch

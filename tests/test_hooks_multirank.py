@@ -22,7 +22,14 @@ from zero3.testing.models import MoEBlock, Routed, build, loss_of, routed_input
 
 pytestmark = pytest.mark.multirank
 
-ZOO = ["gpt_tied", "albert_reused", "bias_returning", "parent_uses_child_weight", "frozen_and_unused", "moe"]
+ZOO = [
+    "gpt_tied",
+    "albert_reused",
+    "bias_returning",
+    "parent_uses_child_weight",
+    "frozen_and_unused",
+    "moe",
+]
 LOCAL_BATCH = 3
 
 
@@ -61,7 +68,12 @@ def _zoo_parity(name: str, reuse: int) -> dict[str, object]:
         assert _non_persistent_bytes(model) == 0, "a full parameter outlived backward"
     with torch.no_grad():  # a forward with reuse 0 releases everything too
         model(make(2, 99))
-    return {"out": worst_out, "in": worst_in, "gathers": gathers, "left": _non_persistent_bytes(model)}
+    return {
+        "out": worst_out,
+        "in": worst_in,
+        "gathers": gathers,
+        "left": _non_persistent_bytes(model),
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -116,7 +128,11 @@ def _eval_between_training() -> dict[str, object]:
             hooks_counts.append(sum(hooks.pre_counts.values()))
             assert _non_persistent_bytes(model) == 0, mode  # released after the forward
     train_step(5)  # training after inference-mode forwards: no inference tensor reused
-    return {"diff": max(diffs), "counts": hooks_counts, "invalidations": stats(model).trace_invalidations}
+    return {
+        "diff": max(diffs),
+        "counts": hooks_counts,
+        "invalidations": stats(model).trace_invalidations,
+    }
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -93,7 +93,10 @@ def _train(
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = PartitionedOptimizer(model, cls, _groups(model, groups), **kwargs)
     ref_groups = _groups(reference, groups)
-    ropt = cls(ref_groups if ref_groups else [p for p in reference.parameters() if p.requires_grad], **kwargs)
+    ropt = cls(
+        ref_groups if ref_groups else [p for p in reference.parameters() if p.requires_grad],
+        **kwargs,
+    )
     scheds = []
     if scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ropt)]
@@ -123,7 +126,9 @@ def _train(
     return {
         "max_loss_diff": max(diffs),
         "off": _close_params(full, reference),
-        "untouched": all(torch.equal(full[k], v) for k, v in untouched.items()) if untouched else None,
+        "untouched": all(torch.equal(full[k], v) for k, v in untouched.items())
+        if untouched
+        else None,
         "lr": opt.param_groups[0]["lr"],
         "ref_lr": ropt.param_groups[0]["lr"],
         "gathers": stats(model).gathers,
@@ -215,7 +220,10 @@ def _flat_mode() -> dict[str, Any]:
         loss_of(reference(x)).backward()
         ropt.step()
         ropt.zero_grad()
-    return {"off": _close_params(full_state_dict(model), reference), "tensors": len(opt.param_groups[0]["params"])}
+    return {
+        "off": _close_params(full_state_dict(model), reference),
+        "tensors": len(opt.param_groups[0]["params"]),
+    }
 
 
 def test_flat_mode_hands_one_tensor_per_sub_group(worker_pool):
@@ -321,7 +329,9 @@ def _hf_training(name: str) -> dict[str, Any]:
     model = build_hf(name)
     reference = copy.deepcopy(model)
     shard_module(
-        model, Zero3Config(param_persistence_threshold=0, leaf_modules=leaf_classes(name)), comm=comm
+        model,
+        Zero3Config(param_persistence_threshold=0, leaf_modules=leaf_classes(name)),
+        comm=comm,
     )
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     ropt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -332,10 +342,13 @@ def _hf_training(name: str) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref = sum(
-            reference(input_ids=ids[2 * q : 2 * q + 2], labels=ids[2 * q : 2 * q + 2]).loss
-            for q in range(n)
-        ) / n
+        ref = (
+            sum(
+                reference(input_ids=ids[2 * q : 2 * q + 2], labels=ids[2 * q : 2 * q + 2]).loss
+                for q in range(n)
+            )
+            / n
+        )
         ref.backward()
         ropt.step()
         ropt.zero_grad()

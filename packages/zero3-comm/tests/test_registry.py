@@ -65,14 +65,14 @@ def test_duplicate_name_is_an_error_unless_overriding():
     registry = comm.BackendRegistry()
     registry.register("gloo", comm.GlooBackend)
     registry.register("gloo", comm.GlooBackend)  # same class again is harmless
-    with pytest.raises(ValueError, match="already registered.*override=True"):
+    with pytest.raises(ValueError, match=r"already registered.*override=True"):
         registry.register("gloo", _Other)
     registry.register("gloo", _Other, override=True)
     assert registry.get("gloo") is _Other
 
 
 def test_register_rejects_non_backends():
-    with pytest.raises(TypeError, match="not a subclass of zero3.comm.CommBackend"):
+    with pytest.raises(TypeError, match=r"not a subclass of zero3\.comm\.CommBackend"):
         comm.BackendRegistry().register("x", dict)  # type: ignore[arg-type]
 
 
@@ -102,7 +102,7 @@ def test_validation_errors_name_the_problem():
         backend.all_reduce(torch.ones(4, 4).t())
     with pytest.raises(TypeError, match="differs from input dtype"):
         backend.all_gather(torch.empty(3, dtype=torch.float16), torch.ones(3))
-    with pytest.raises(comm.UnsupportedDTypeError, match="cannot reduce torch.bool"):
+    with pytest.raises(comm.UnsupportedDTypeError, match=r"cannot reduce torch\.bool"):
         backend.all_reduce(torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="src=3 is not a rank"):
         backend.broadcast(torch.ones(2), src=3)
@@ -111,7 +111,7 @@ def test_validation_errors_name_the_problem():
             [torch.empty(1), torch.empty(1, dtype=torch.float16)],
             [torch.ones(1), torch.ones(1, dtype=torch.float16)],
         )
-    with pytest.raises(TypeError, match="zero3.comm.ReduceOp"):
+    with pytest.raises(TypeError, match=r"zero3\.comm\.ReduceOp"):
         backend.all_reduce(torch.ones(2), op="sum")  # type: ignore[arg-type]
 
 

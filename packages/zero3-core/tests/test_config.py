@@ -51,7 +51,9 @@ def test_bad_values_name_the_field(kwargs, match):
 
 
 def test_normalizes_values():
-    c = Zero3Config(param_dtype="bf16", reduce_dtype="fp32", prefetch_bucket_size=5e7, leaf_modules=nn.Linear)
+    c = Zero3Config(
+        param_dtype="bf16", reduce_dtype="fp32", prefetch_bucket_size=5e7, leaf_modules=nn.Linear
+    )
     assert c.param_dtype is torch.bfloat16 and c.reduce_dtype is torch.float32
     assert c.prefetch_bucket_size == 50_000_000 and isinstance(c.prefetch_bucket_size, int)
     assert c.leaf_modules == (nn.Linear,)
@@ -150,7 +152,13 @@ def test_from_deepspeed_missing_features_are_errors(key, value, feature):
 
 def test_from_deepspeed_switched_off_features_are_fine():
     c = Zero3Config.from_deepspeed(
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}, "zero_hpz_partition_size": 1}}
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "none"},
+                "zero_hpz_partition_size": 1,
+            }
+        }
     )
     assert c.prefetch_bucket_size == 50_000_000
 

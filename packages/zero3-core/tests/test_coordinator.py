@@ -92,7 +92,10 @@ def test_one_collective_per_fetch_and_payload_bytes():
     assert stats.gather_fingerprint_bytes == 2 * 16 * 4
     # 4 ranks x (14 + 1 elements aligned to 16 bytes + 16 fingerprint bytes) per gather.
     total = 2 * 4 * (64 + 16 + 16)
-    assert stats.gather_payload_bytes + stats.gather_padding_bytes + stats.gather_fingerprint_bytes == total
+    assert (
+        stats.gather_payload_bytes + stats.gather_padding_bytes + stats.gather_fingerprint_bytes
+        == total
+    )
 
 
 def test_release_keeps_tied_weight_within_reuse_distance():
@@ -173,7 +176,8 @@ def test_at_most_two_prefetches_in_flight():
     # Parameterless modules fetch nothing but still prefetch: without the bound, every
     # ReLU would start another gather.
     model = nn.Sequential(
-        nn.Linear(10, 1, bias=False), *(nn.ReLU() for _ in range(4)),
+        nn.Linear(10, 1, bias=False),
+        *(nn.ReLU() for _ in range(4)),
         *(nn.Linear(10, 1, bias=False) for _ in range(4)),
     )
     state = _state(model, deferred=True, prefetch_bucket_size=10)

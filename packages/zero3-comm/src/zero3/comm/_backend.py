@@ -91,7 +91,7 @@ class CommBackend(abc.ABC):
         """A new side stream on this backend's device (for overlapping communication)."""
         return Stream.for_device(self.device_type, new=True)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release resources the backend owns (a process group it created, threads)."""
 
     def duplicate(self) -> CommBackend:
@@ -308,16 +308,14 @@ class CommBackend(abc.ABC):
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], what: str
     ) -> None:
         if len(outputs) != len(inputs):
-            raise ValueError(
-                f"{self.name}.{what}: {len(outputs)} outputs for {len(inputs)} inputs"
-            )
+            raise ValueError(f"{self.name}.{what}: {len(outputs)} outputs for {len(inputs)} inputs")
         if not inputs:
             raise ValueError(f"{self.name}.{what}: empty tensor list")
         dtypes = {t.dtype for t in (*inputs, *outputs)}
         if len(dtypes) != 1:
             raise TypeError(
-                f"{self.name}.{what}: all tensors must share one dtype, got {sorted(map(str, dtypes))}; "
-                "issue one coalesced call per dtype"
+                f"{self.name}.{what}: all tensors must share one dtype, got "
+                f"{sorted(map(str, dtypes))}; issue one coalesced call per dtype"
             )
         for out in outputs:
             self._check_output(out, what, out.dtype)
@@ -325,6 +323,4 @@ class CommBackend(abc.ABC):
     def describe(self, what: str, *tensors: torch.Tensor) -> str:
         """A one-line description of a collective for error messages."""
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
-        return (
-            f"{self.name}.{what}({shapes}) on rank {self.rank} of {self.world_size}"
-        )
+        return f"{self.name}.{what}({shapes}) on rank {self.rank} of {self.world_size}"

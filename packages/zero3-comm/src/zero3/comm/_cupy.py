@@ -79,7 +79,7 @@ def import_nccl() -> ModuleType:
 
 def torch_external_stream(ptr: int, device: torch.device | None = None) -> torch.cuda.Stream:
     """A torch view of an existing CUDA stream (for ``torch.cuda.stream(...)``)."""
-    stream: torch.cuda.Stream = torch.cuda.ExternalStream(ptr, device=device)  # type: ignore[no-untyped-call]
+    stream: torch.cuda.Stream = torch.cuda.ExternalStream(ptr, device=device)
     return stream
 
 

@@ -31,7 +31,9 @@ def import_torch_npu() -> ModuleType:
     try:
         return importlib.import_module("torch_npu")
     except ModuleNotFoundError as exc:
-        raise ImportError(f"the hccl backend needs torch_npu, which is not installed: {_INSTALL_HINT}") from exc
+        raise ImportError(
+            f"the hccl backend needs torch_npu, which is not installed: {_INSTALL_HINT}"
+        ) from exc
     except (ImportError, OSError, RuntimeError) as exc:
         raise ImportError(
             f"torch_npu is installed but failed to import ({exc}); {_INSTALL_HINT}"
@@ -69,8 +71,9 @@ class HCCLBackend(TorchDistBackend):
 
     def _before_init(self) -> None:
         import_torch_npu()
+        npu = torch.get_device_module("npu")  # registered by torch_npu
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.npu.set_device(local_rank % torch.npu.device_count())
+        npu.set_device(local_rank % npu.device_count())
 
     def device(self) -> torch.device:
-        return torch.device("npu", torch.npu.current_device())
+        return torch.device("npu", torch.get_device_module("npu").current_device())

@@ -22,12 +22,12 @@ from zero3.comm._types import BackendUnavailableError, UnknownBackendError
 
 __all__ = [
     "BackendRegistry",
+    "available_backends",
     "create_backend",
     "default_device_type",
     "hookimpl",
     "hookspec",
     "registered_backends",
-    "available_backends",
 ]
 
 PROJECT = "zero3.comm"
@@ -99,11 +99,11 @@ class BackendRegistry:
 
 class _Specs:
     @hookspec
-    def zero3_comm_register_backends(self, registry: BackendRegistry) -> None:  # type: ignore[empty-body]
+    def zero3_comm_register_backends(self, registry: BackendRegistry) -> None:
         """Register backend classes with ``registry.register(name, cls, override=False)``."""
 
     @hookspec(firstresult=True)
-    def zero3_comm_default_backend(self, device_type: str) -> str | None:  # type: ignore[empty-body]
+    def zero3_comm_default_backend(self, device_type: str) -> str | None:
         """Return the backend name ``"auto"`` should mean on ``device_type``, or None."""
 
 
@@ -171,9 +171,9 @@ def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
         # Under mpiexec with no torch launcher variables, MPI is the only rendezvous.
         under_mpi = any(v in os.environ for v in _MPI_LAUNCH_VARS)
         has_torch_env = all(v in os.environ for v in ("MASTER_ADDR", "MASTER_PORT"))
-        if under_mpi and not has_torch_env and "mpi" in registry.names():
-            if registry.get("mpi").is_available():
-                return "mpi"
+        mpi_ok = "mpi" in registry.names() and registry.get("mpi").is_available()
+        if under_mpi and not has_torch_env and mpi_ok:
+            return "mpi"
     return _DEFAULT_BY_DEVICE.get(device_type, "gloo")
 
 

@@ -92,9 +92,7 @@ class HostStream(Stream):
 class TorchDeviceStream(Stream):
     """A CUDA or NPU stream through torch's device module (``torch.cuda``, ``torch.npu``)."""
 
-    def __init__(
-        self, device_type: str, *, new: bool = False, native: Any = None
-    ) -> None:
+    def __init__(self, device_type: str, *, new: bool = False, native: Any = None) -> None:
         self.device_type = device_type
         module = torch.get_device_module(device_type)
         if native is not None:

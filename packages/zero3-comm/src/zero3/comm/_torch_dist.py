@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -76,9 +77,7 @@ class TorchWork(Work):
         except RuntimeError as exc:
             message = str(exc)
             kind = CommTimeoutError if "imed out" in message or "imeout" in message else CommError
-            raise kind(
-                f"{self._description} failed: {message.strip().splitlines()[0]}"
-            ) from exc
+            raise kind(f"{self._description} failed: {message.strip().splitlines()[0]}") from exc
         self._done = True
 
     def is_completed(self) -> bool:
@@ -175,10 +174,8 @@ class TorchDistBackend(CommBackend):
             dist.destroy_process_group()
             self._owns_group = False
         if self._tmp_store is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp_store)
-            except FileNotFoundError:
-                pass
             self._tmp_store = None
 
     # -- primitives ---------------------------------------------------------------

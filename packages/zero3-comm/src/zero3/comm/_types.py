@@ -34,9 +34,7 @@ class ReduceOp(enum.Enum):
 FLOAT_DTYPES: frozenset[torch.dtype] = frozenset(
     {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 )
-INT_DTYPES: frozenset[torch.dtype] = frozenset(
-    {torch.uint8, torch.int8, torch.int32, torch.int64}
-)
+INT_DTYPES: frozenset[torch.dtype] = frozenset({torch.uint8, torch.int8, torch.int32, torch.int64})
 
 
 @dataclass(frozen=True)
@@ -56,9 +54,7 @@ class Capabilities:
     """
 
     native_reduce_scatter: bool = True
-    reduce_dtypes: frozenset[torch.dtype] = field(
-        default_factory=lambda: FLOAT_DTYPES | INT_DTYPES
-    )
+    reduce_dtypes: frozenset[torch.dtype] = field(default_factory=lambda: FLOAT_DTYPES | INT_DTYPES)
     needs_progress_helper: bool = False
     async_host: bool = True
 

@@ -16,7 +16,9 @@ from zero3.core._state import ShardedModelState, add_pending_external, state_of
 __all__ = ["full_grad", "gathered_parameters", "local_grad", "register_external_parameter"]
 
 
-def _by_state(params: Iterable[torch.Tensor]) -> dict[int, tuple[ShardedModelState, list[ShardedParam]]]:
+def _by_state(
+    params: Iterable[torch.Tensor],
+) -> dict[int, tuple[ShardedModelState, list[ShardedParam]]]:
     groups: dict[int, tuple[ShardedModelState, list[ShardedParam]]] = {}
     seen: set[int] = set()
     for param in params:

@@ -43,7 +43,9 @@ __all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "plan_buckets"
 FINGERPRINT_SLOTS = 16
 
 
-def fingerprint_bits(key: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def fingerprint_bits(
+    key: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype)."""
     bits = [(key >> i) & 1 for i in range(FINGERPRINT_SLOTS)]
     return torch.tensor(bits, dtype=dtype, device=device)
@@ -172,9 +174,7 @@ def plan_buckets(
             cursor += sp.shard_numel
         start = offsets_by_dtype.get(dtype, 0)
         offsets_by_dtype[dtype] = start + cursor + FINGERPRINT_SLOTS
-        buckets.append(
-            GradBucket(len(buckets), dtype, list(current), offsets, cursor, start, leaf)
-        )
+        buckets.append(GradBucket(len(buckets), dtype, list(current), offsets, cursor, start, leaf))
         current.clear()
 
     size = 0

@@ -32,9 +32,9 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 def _parse_dtype(field: str, value: object) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
-        if value is not None and not value.is_floating_point:  # type: ignore[union-attr]
+        if value is not None and not value.is_floating_point:
             raise ValueError(f"Zero3Config.{field} must be a floating dtype, got {value}")
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.lower()]
     raise ValueError(
@@ -121,7 +121,10 @@ class Zero3Config:
             self._set(name, self._int(name, getattr(self, name), minimum=0))
         for name in ("reduce_bucket_size", "sub_group_size", "loss_scale_window", "hysteresis"):
             self._set(name, self._int(name, getattr(self, name), minimum=1))
-        self._set("initial_scale_power", self._int("initial_scale_power", self.initial_scale_power, minimum=0))
+        self._set(
+            "initial_scale_power",
+            self._int("initial_scale_power", self.initial_scale_power, minimum=0),
+        )
         for name in ("contiguous_gradients", "overlap_comm", "sync_module_states"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Zero3Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -150,7 +153,9 @@ class Zero3Config:
             raise ValueError(f"Zero3Config.timeout_s must be > 0, got {timeout}")
         self._set("timeout_s", timeout)
         if not isinstance(self.extras, Mapping):
-            raise TypeError(f"Zero3Config.extras must be a mapping, got {type(self.extras).__name__}")
+            raise TypeError(
+                f"Zero3Config.extras must be a mapping, got {type(self.extras).__name__}"
+            )
         self._set("extras", MappingProxyType(dict(self.extras)))
 
     # -- validation helpers ---------------------------------------------------------
@@ -186,7 +191,9 @@ class Zero3Config:
                 f"class names, got {targets!r}"
             )
         for target in targets:
-            ok = isinstance(target, str) or (isinstance(target, type) and issubclass(target, nn.Module))
+            ok = isinstance(target, str) or (
+                isinstance(target, type) and issubclass(target, nn.Module)
+            )
             if not ok:
                 raise TypeError(
                     "Zero3Config.leaf_modules entries must be nn.Module subclasses or class "
@@ -198,7 +205,9 @@ class Zero3Config:
     # -- DeepSpeed ------------------------------------------------------------------
 
     @classmethod
-    def from_deepspeed(cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any) -> Zero3Config:
+    def from_deepspeed(
+        cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+    ) -> Zero3Config:
         """Build a config from a DeepSpeed JSON config (a dict or a path to the file).
 
         The ``zero_optimization`` section maps onto the ZeRO fields (``stage`` must be
@@ -220,7 +229,9 @@ class Zero3Config:
         if isinstance(config, str | os.PathLike):
             config = json.loads(Path(config).read_text())
         if not isinstance(config, Mapping):
-            raise TypeError(f"a DeepSpeed config must be a mapping or a path, got {type(config).__name__}")
+            raise TypeError(
+                f"a DeepSpeed config must be a mapping or a path, got {type(config).__name__}"
+            )
         fields = fields_from_deepspeed(config)
         fields.update(overrides)
         return cls(**fields)

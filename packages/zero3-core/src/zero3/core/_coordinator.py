@@ -154,7 +154,8 @@ class ParamCoordinator:
 
     def fetch_set(self, module_index: int) -> list[ShardedParam]:
         """Non-persistent parameters gathered for the module (direct + external; whole
-        subtree for a leaf), deduplicated, in a deterministic order."""
+        subtree for a leaf), deduplicated, in a deterministic order.
+        """
         cached = self._fetch_sets.get(module_index)
         if cached is not None:
             return cached
@@ -247,15 +248,15 @@ class ParamCoordinator:
         params = self.fetch_set(index)
         keep: frozenset[int] = frozenset()
         if self.trace.state is TraceState.COMPLETE and not self.diverged:
-            keep = self.trace.reused_within(
-                self.position, index, self.config.max_reuse_distance
-            )
+            keep = self.trace.reused_within(self.position, index, self.config.max_reuse_distance)
         for sp in params:
             sp.holds = max(0, sp.holds - 1)
             if sp.holds == 0 and sp.index not in keep:
                 self._release(sp)
 
-    def fetch_params(self, params: Sequence[ShardedParam], module_index: int, forward: bool) -> None:
+    def fetch_params(
+        self, params: Sequence[ShardedParam], module_index: int, forward: bool
+    ) -> None:
         """Hold and gather an explicit list of parameters (outside the trace)."""
         todo = [sp for sp in params if not sp.persistent]
         for sp in todo:
@@ -284,9 +285,10 @@ class ParamCoordinator:
                 return True
             self.diverged = True
             trace.invalidate()  # the next step records the new order
+            wanted = self.describe(expected) if expected is not None else "the end"
             self._count_invalidation(
                 f"fetch #{position} of the {trace.kind} step was {self.describe(index)!r}, "
-                f"the trace expected {self.describe(expected) if expected is not None else 'the end'!r}"
+                f"the trace expected {wanted!r}"
             )
         return False
 
@@ -328,9 +330,7 @@ class ParamCoordinator:
         world = self.comm.world_size
         stats.gather_payload_bytes += layout.payload_bytes
         stats.gather_fingerprint_bytes += 16 * world
-        stats.gather_padding_bytes += (
-            layout.chunk_bytes * world - layout.payload_bytes - 16 * world
-        )
+        stats.gather_padding_bytes += layout.chunk_bytes * world - layout.payload_bytes - 16 * world
         self.live_numel += numel
         stats.live_numel_high_water = max(stats.live_numel_high_water, self.live_numel)
         if prefetch:
@@ -376,7 +376,9 @@ class ParamCoordinator:
             if first_position < 0:
                 first_position = entry_position
         if chosen:
-            self._issue(list(chosen.values()), trace.modules[first_position], forward, prefetch=True)
+            self._issue(
+                list(chosen.values()), trace.modules[first_position], forward, prefetch=True
+            )
 
     def _release(self, sp: ShardedParam) -> None:
         if sp.persistent:

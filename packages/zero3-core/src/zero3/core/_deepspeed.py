@@ -87,7 +87,7 @@ def _zero_section(section: Mapping[str, Any]) -> dict[str, Any]:
     if stage != 3:
         raise ValueError(
             f"zero_optimization.stage is {stage!r}: zero3 implements ZeRO stage 3 only "
-            "(set \"stage\": 3)"
+            '(set "stage": 3)'
         )
     fields: dict[str, Any] = {}
     for key, value in section.items():
@@ -106,7 +106,9 @@ def _zero_section(section: Mapping[str, Any]) -> dict[str, Any]:
             continue
         field = _ZERO_FIELDS.get(key)
         if field is None:
-            known = sorted({*_ZERO_FIELDS, *_HARMLESS, *_MISSING_FEATURES, "stage", "reduce_scatter"})
+            known = sorted(
+                {*_ZERO_FIELDS, *_HARMLESS, *_MISSING_FEATURES, "stage", "reduce_scatter"}
+            )
             raise ValueError(
                 f"zero_optimization.{key} is not a DeepSpeed ZeRO-3 setting zero3 knows "
                 f"(a typo?). Known keys: {', '.join(known)}"
@@ -149,7 +151,7 @@ def fields_from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
     if "zero_optimization" not in config:
         raise ValueError(
             "the DeepSpeed config has no zero_optimization section; zero3 needs "
-            "{\"zero_optimization\": {\"stage\": 3, ...}}"
+            '{"zero_optimization": {"stage": 3, ...}}'
         )
     fields = _zero_section(config["zero_optimization"])
     fields.update(_precision(config))
@@ -161,6 +163,13 @@ def fields_from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     elif clip != "auto":
         fields["gradient_clipping"] = float(clip) if float(clip) > 0 else None
-    mapped = {"zero_optimization", "bf16", "bfloat16", "fp16", "gradient_clipping", "communication_data_type"}
+    mapped = {
+        "zero_optimization",
+        "bf16",
+        "bfloat16",
+        "fp16",
+        "gradient_clipping",
+        "communication_data_type",
+    }
     fields["extras"] = {k: v for k, v in config.items() if k not in mapped}
     return fields

@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from zero3.comm import CommBackend, Stream, Work
 from zero3.core._params import ParamStatus, ShardedParam
@@ -146,7 +147,9 @@ class GatherHandle:
         lines = []
         for rank, words in enumerate(prints.tolist()):
             if words[0] != _MAGIC:
-                lines.append(f"  rank {rank}: issued a different collective or size (no zero3 fingerprint)")
+                lines.append(
+                    f"  rank {rank}: issued a different collective or size (no zero3 fingerprint)"
+                )
             else:
                 lines.append(
                     f"  rank {rank}: module {self._describe(words[1])!r} "
@@ -176,7 +179,7 @@ def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int) -> None:
     elem = sp.shard.element_size()
     shards = recv[:, offset : offset + s * elem].view(param.dtype)  # (world, s)
     rows, rem = divmod(n, s)
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
+    with torch.no_grad(), _unsafe_preserve_version_counter(param):
         flat = param.view(-1)
         if rows:
             flat[: rows * s].view(rows, s).copy_(shards[:rows])

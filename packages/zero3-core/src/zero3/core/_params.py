@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def write_full(param: torch.Tensor, flat: torch.Tensor) -> None:
     storage = param.untyped_storage()
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(param):
+    with torch.no_grad(), _unsafe_preserve_version_counter(param):
         param.view(-1).copy_(flat)
 
 

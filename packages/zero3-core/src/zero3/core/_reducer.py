@@ -124,7 +124,8 @@ class GradReducer:
 
     def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
         """This rank's padded gradient shard of ``sp`` for the current window, or None
-        if no rank produced a gradient for it."""
+        if no rank produced a gradient for it.
+        """
         position = self._position.get(sp.index)
         if position is None or not bool(self._window_flags[position]):
             return None
@@ -206,10 +207,13 @@ class GradReducer:
         bucket.flat, bucket.grads = None, {}
         self._reduce_flat(flat, region, bucket.index, bucket.payload_numel)
 
-    def _reduce_flat(self, flat: torch.Tensor, region: torch.Tensor, key: int, payload_numel: int) -> None:
+    def _reduce_flat(
+        self, flat: torch.Tensor, region: torch.Tensor, key: int, payload_numel: int
+    ) -> None:
         """Reduce a rank-major buffer (regions of ``region.numel()`` elements, the last
         :data:`FINGERPRINT_SLOTS` a fingerprint) into ``region``: copy on micro-step 0,
-        else add."""
+        else add.
+        """
         accumulate = self.micro_step > 0
         rank, world = self.comm.rank, self.comm.world_size
         size = region.numel() - FINGERPRINT_SLOTS
@@ -258,7 +262,9 @@ class GradReducer:
         self._count(bucket.payload_numel, sum(t.numel() for t in inputs), bucket.dtype, 1)
         self._track(work, finish)
 
-    def _count(self, payload_numel: int, buffer_numel: int, dtype: torch.dtype, factor: int) -> None:
+    def _count(
+        self, payload_numel: int, buffer_numel: int, dtype: torch.dtype, factor: int
+    ) -> None:
         stats = self.stats.current
         elem = torch.empty((), dtype=dtype).element_size()
         fingerprint = self.comm.world_size * FINGERPRINT_SLOTS
@@ -308,7 +314,9 @@ class GradReducer:
         for sp, grad in self._dynamic:
             bucket, k = self._bucket_of[sp.index]
             world, size = sp.world_size, sp.shard_numel
-            flat = torch.empty(world, size + FINGERPRINT_SLOTS, dtype=bucket.dtype, device=grad.device)
+            flat = torch.empty(
+                world, size + FINGERPRINT_SLOTS, dtype=bucket.dtype, device=grad.device
+            )
             padded = torch.zeros(sp.padded_numel, dtype=bucket.dtype, device=grad.device)
             padded[: sp.numel].copy_(grad)
             flat[:, :size].copy_(padded.view(world, size))

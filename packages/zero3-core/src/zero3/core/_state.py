@@ -120,11 +120,15 @@ class ShardedModelState:
             for sp in own:
                 sp.owners.append(mod_name or "<root>")
             direct.append(own)
-        self.coordinator = ParamCoordinator(self.comm, self.config, self.modules, direct, self.stats)
+        self.coordinator = ParamCoordinator(
+            self.comm, self.config, self.modules, direct, self.stats
+        )
         self._apply_leaves()
         self._apply_pending_externals()
         trainable = [sp for sp in self.params if sp.requires_grad]
-        self.reducer = GradReducer(self.grad_comm, self.config, trainable, self._leaf_of(), self.stats)
+        self.reducer = GradReducer(
+            self.grad_comm, self.config, trainable, self._leaf_of(), self.stats
+        )
         self.reducer.defer_launches = self.grad_comm is self.comm
 
     def _shard(self, index: int, name: str, param: nn.Parameter) -> ShardedParam:
@@ -265,18 +269,19 @@ def _broadcast_from_rank0(comm: CommBackend, tensors: Iterable[torch.Tensor]) ->
         if t.numel():
             by_key.setdefault((t.dtype, t.device), []).append(t)
     for group in by_key.values():
-        batch: list[torch.Tensor] = []
+        batches: list[list[torch.Tensor]] = [[]]
         size = 0
-        for t in [*group, None]:
-            if t is None or (batch and size + t.numel() > _SYNC_CHUNK):
-                flat = torch.cat([b.reshape(-1) for b in batch])
-                comm.broadcast(flat, src=0).wait()
-                for b, part in zip(batch, flat.split([b.numel() for b in batch]), strict=True):
-                    b.copy_(part.view_as(b))
-                batch, size = [], 0
-            if t is not None:
-                batch.append(t)
-                size += t.numel()
+        for t in group:
+            if batches[-1] and size + t.numel() > _SYNC_CHUNK:
+                batches.append([])
+                size = 0
+            batches[-1].append(t)
+            size += t.numel()
+        for batch in batches:
+            flat = torch.cat([b.reshape(-1) for b in batch])
+            comm.broadcast(flat, src=0).wait()
+            for b, part in zip(batch, flat.split([b.numel() for b in batch]), strict=True):
+                b.copy_(part.view_as(b))
 
 
 def try_sharded_state(module: nn.Module) -> ShardedModelState | None:

@@ -33,7 +33,7 @@ class PreBackward(torch.autograd.Function):
     """Identity on a module's outputs; its backward gathers the module's parameters."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, listener: BackwardListener, module_index: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.listener = listener
@@ -41,7 +41,7 @@ class PreBackward(torch.autograd.Function):
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.listener.pre_backward(ctx.module_index)
         return (None, None, *grads)
 
@@ -50,7 +50,7 @@ class PostBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward releases the module's parameters."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, listener: BackwardListener, module_index: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.listener = listener
@@ -58,6 +58,6 @@ class PostBackward(torch.autograd.Function):
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.listener.post_backward(ctx.module_index)
         return (None, None, *grads)

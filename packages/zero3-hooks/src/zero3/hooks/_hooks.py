@@ -286,5 +286,3 @@ def install_hooks(state: ShardedModelState) -> ModelHooks:
     hooks = ModelHooks(state)
     hooks.install()
     return hooks
-
-

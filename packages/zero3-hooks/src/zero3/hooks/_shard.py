@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 from torch import nn
 
 from zero3.comm import CommBackend, create_backend
 from zero3.core import ShardedModelState, StepStats, Zero3Config, sharded_state
-from zero3.core._state import LeafTarget, _matches, mark_leaf, try_sharded_state
+from zero3.core._config import LeafTarget
+from zero3.core._state import _matches, mark_leaf, try_sharded_state
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
@@ -118,7 +118,8 @@ def unshard_module(module: nn.Module) -> nn.Module:
     hooks.remove()
     cls = type(module)
     if issubclass(cls, ShardedModule):
-        module.__class__ = next(c for c in cls.__mro__[1:] if c is not ShardedModule and not issubclass(c, ShardedModule))
+        original = next(c for c in cls.__mro__[1:] if not issubclass(c, ShardedModule))
+        module.__class__ = original  # type: ignore[assignment]
     return module
 
 
@@ -161,7 +162,9 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
             state.set_leaf(sub, True)
     missing = [t for t in targets if t not in matched]
     if missing:
-        raise ValueError(f"set_leaf_modules: no submodule of {type(module).__name__} matches {missing!r}")
+        raise ValueError(
+            f"set_leaf_modules: no submodule of {type(module).__name__} matches {missing!r}"
+        )
     if state is not None:
         hooks = _HOOKS[module]
         hooks.remove()
@@ -174,5 +177,3 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
 
 def _hooks_of(module: nn.Module) -> ModelHooks:
     return _HOOKS[module]
-
-

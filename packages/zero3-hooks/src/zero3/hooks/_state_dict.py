@@ -22,7 +22,9 @@ def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
                 yield name, param
 
 
-def _save_guard(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _save_guard(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     for name, param in _sharded_items(module):
         key = prefix + name
         if key not in state_dict:
@@ -60,16 +62,16 @@ def install_state_dict_guards(state: ShardedModelState) -> list[Any]:
     return handles
 
 
-def _entries(root: nn.Module) -> Iterator[tuple[str, nn.Module, str, str]]:
-    """(key, module, kind, name) for every state-dict entry, tied names included."""
+def _entries(root: nn.Module) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
+    """(key, owning module, tensor) for every state-dict entry, tied names included."""
     for prefix, module in root.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for name, param in dict.items(module._parameters):
             if param is not None:
-                yield dot + name, module, "param", name
+                yield dot + name, module, param
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                yield dot + name, module, "buffer", name
+                yield dot + name, module, buf
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -88,21 +90,15 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
     keep = not rank0_only or state.comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
-    by_module: dict[int, list[tuple[str, str, str]]] = {}
-    modules: dict[int, nn.Module] = {}
-    for key, mod, kind, name in _entries(module):
-        by_module.setdefault(id(mod), []).append((key, kind, name))
-        modules[id(mod)] = mod
-    for mod_id, entries in by_module.items():
-        mod = modules[mod_id]
-        params = [dict.__getitem__(mod._parameters, n) for _, k, n in entries if k == "param"]
-        with gathered_parameters(params):
-            for key, kind, name in entries:
-                tensor = dict.__getitem__(mod._parameters, name) if kind == "param" else mod._buffers[name]
-                assert tensor is not None
-                if id(tensor) not in copies:
-                    copies[id(tensor)] = tensor.detach().to("cpu", copy=True) if keep else tensor
+    by_module: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for key, mod, tensor in _entries(module):
+        by_module.setdefault(id(mod), []).append((key, tensor))
+    for entries in by_module.values():
+        with gathered_parameters([t for _, t in entries if isinstance(t, nn.Parameter)]):
+            for key, tensor in entries:
                 if keep:
+                    if id(tensor) not in copies:
+                        copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
                     out[key] = copies[id(tensor)]
     return out
 
@@ -122,13 +118,15 @@ def load_full_state_dict(
     Each rank writes its own shard of every parameter from the full tensors (so every
     rank needs the full state dict, e.g. loaded with ``mmap=True``); persistent and
     currently gathered parameters are updated whole too. No collective is needed.
+    Build the :class:`~zero3.optim.PartitionedOptimizer` after loading: its fp32
+    masters are copied from the shards when it is created.
 
     Raises:
         RuntimeError: With ``strict``, missing or unexpected keys; always, a shape
             mismatch (naming the key and both shapes).
     """
     sharded_state(module)  # a clear error for a module that is not sharded
-    expected = {key: (mod, kind, name) for key, mod, kind, name in _entries(module)}
+    expected = {key: tensor for key, _, tensor in _entries(module)}
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if strict and (missing or unexpected):
@@ -136,17 +134,16 @@ def load_full_state_dict(
             f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
         )
     with torch.no_grad():
-        for key, (mod, kind, name) in expected.items():
+        for key, target in expected.items():
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            target = dict.__getitem__(mod._parameters, name) if kind == "param" else mod._buffers[name]
             if tuple(value.shape) != tuple(target.shape):
                 raise RuntimeError(
                     f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
                     f"dict but {tuple(target.shape)} in the model"
                 )
-            sp = lookup(target) if kind == "param" else None
+            sp = lookup(target)
             if sp is None:
                 target.copy_(value)
                 continue

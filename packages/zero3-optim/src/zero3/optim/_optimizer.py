@@ -34,7 +34,9 @@ from zero3.optim._loss_scale import LossScaler
 
 __all__ = ["PartitionedOptimizer"]
 
-OptimizerSpec = type[torch.optim.Optimizer] | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+OptimizerSpec = (
+    type[torch.optim.Optimizer] | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,18 +50,13 @@ class _SubGroup:
     views: list[torch.Tensor]
 
 
-def _normalize_groups(
-    module: nn.Module, params: Iterable[Any] | None
-) -> list[dict[str, Any]]:
+def _normalize_groups(module: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
     if params is None:
         params = [p for p in module.parameters() if p.requires_grad]
     items = list(params)
     if not items:
         raise ValueError("PartitionedOptimizer got an empty parameter list")
-    if isinstance(items[0], dict):
-        groups = [dict(g) for g in items]
-    else:
-        groups = [{"params": items}]
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
     seen: set[int] = set()
     for g in groups:
         if "params" not in g:
@@ -360,9 +357,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         ordered = sorted(params, key=lambda sp: sp.index)
         layout = GatherLayout.build(ordered)
         coordinator = state.coordinator
-        handle = GatherHandle(
-            state.comm, layout, GATHERED_PARAMETERS, coordinator.describe, None
-        )
+        handle = GatherHandle(state.comm, layout, GATHERED_PARAMETERS, coordinator.describe, None)
         handle.finish(state.comm.current_stream())
         stats = state.stats.current
         stats.refresh_gathers += 1

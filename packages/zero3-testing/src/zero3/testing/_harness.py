@@ -184,11 +184,13 @@ class WorkerGroup:
 
         Args:
             fn: The case; it may be defined in a test module (shipped by value).
+            *args: Positional arguments for ``fn`` (picklable).
             timeout: Hard limit for the whole case; past it the ranks' stacks are dumped
                 into the error and the group is torn down (the next run rebuilds it).
             allow_rank_exit: The case ends some rank's process on purpose: that rank's
                 result is a :class:`RankExited` instead of an error, and the group is
                 rebuilt for the next case.
+            **kwargs: Keyword arguments for ``fn`` (picklable).
 
         Raises:
             CaseError: A rank raised, a rank died unexpectedly, or the case timed out.
@@ -217,8 +219,7 @@ class WorkerGroup:
         if errors or (exited and not allow_rank_exit):
             raise CaseError(self._report(errors, exited, {}))
         return [
-            results[r] if r in results else RankExited(r, exited[r])
-            for r in range(self.world_size)
+            results[r] if r in results else RankExited(r, exited[r]) for r in range(self.world_size)
         ]
 
     def _collect(
@@ -332,4 +333,3 @@ class GroupPool:
         for group in self._groups.values():
             group.close()
         self._groups.clear()
-

@@ -21,8 +21,13 @@ def _llama() -> nn.Module:
 
     return LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
         )
     )
 
@@ -32,8 +37,16 @@ def _gpt2() -> nn.Module:
 
     return GPT2LMHeadModel(
         GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
         )
     )
 
@@ -43,9 +56,15 @@ def _albert() -> nn.Module:
 
     return AlbertForMaskedLM(
         AlbertConfig(
-            vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3,
-            num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            vocab_size=VOCAB,
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
     )
 
@@ -55,9 +74,15 @@ def _mixtral() -> nn.Module:
 
     return MixtralForCausalLM(
         MixtralConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-            num_experts_per_tok=2, max_position_embeddings=32,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
         )
     )
 
