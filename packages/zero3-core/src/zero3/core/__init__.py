@@ -15,6 +15,7 @@ from zero3.core._reducer import GradReducer
 from zero3.core._state import ShardedModelState, sharded_state
 from zero3.core._stats import StepStats
 from zero3.core._trace import TraceState
+from zero3.core._tracer import Tracer
 
 __all__ = [
     "FingerprintMismatchError",
@@ -26,6 +27,7 @@ __all__ = [
     "ShardedParam",
     "StepStats",
     "TraceState",
+    "Tracer",
     "Zero3Config",
     "full_grad",
     "gathered_parameters",

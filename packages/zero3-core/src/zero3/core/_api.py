@@ -52,7 +52,7 @@ def gathered_parameters(
         params = [params]
     groups = list(_by_state(params).values())
     for state, sps in groups:
-        state.coordinator.fetch_params(sps, GATHERED_PARAMETERS, forward=True)
+        state.coordinator.fetch_params(sps, GATHERED_PARAMETERS, forward=True, pin=True)
     try:
         yield
         if modifier_rank is not None:
@@ -60,7 +60,7 @@ def gathered_parameters(
                 _broadcast_edits(state, sps, modifier_rank)
     finally:
         for state, sps in groups:
-            state.coordinator.release_params(sps)
+            state.coordinator.release_params(sps, pin=True)
 
 
 def _broadcast_edits(state: ShardedModelState, sps: list[ShardedParam], src: int) -> None:

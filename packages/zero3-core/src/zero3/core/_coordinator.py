@@ -34,6 +34,7 @@ from zero3.core._gather import GatherHandle, GatherLayout
 from zero3.core._params import ParamStatus, ShardedParam, free_full
 from zero3.core._stats import StatsBook
 from zero3.core._trace import Trace, TraceState
+from zero3.core._tracer import Tracer
 
 __all__ = ["GATHERED_PARAMETERS", "MAX_INFLIGHT_PREFETCHES", "ParamCoordinator"]
 
@@ -86,6 +87,7 @@ class ParamCoordinator:
         self._inflight: collections.deque[GatherHandle] = collections.deque()
         self._structure_changed = False
         self._warned_invalidation = False
+        self.tracer: Tracer | None = None
         self.live_numel = 0
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
@@ -186,7 +188,7 @@ class ParamCoordinator:
     def end_step(self, all_params: Iterable[ShardedParam]) -> None:
         """Finish the step: complete gathers, release everything, freeze or check the trace."""
         for handle in list(self._inflight):
-            handle.finish(self.comm.current_stream())
+            self._finish(handle)
         self._inflight.clear()
         for sp in all_params:
             sp.holds = 0
@@ -255,21 +257,28 @@ class ParamCoordinator:
                 self._release(sp)
 
     def fetch_params(
-        self, params: Sequence[ShardedParam], module_index: int, forward: bool
+        self, params: Sequence[ShardedParam], module_index: int, forward: bool, pin: bool = False
     ) -> None:
-        """Hold and gather an explicit list of parameters (outside the trace)."""
+        """Hold (or pin, across steps) and gather an explicit list of parameters."""
         todo = [sp for sp in params if not sp.persistent]
         for sp in todo:
-            sp.holds += 1
+            if pin:
+                sp.pinned += 1
+            else:
+                sp.holds += 1
         self._make_available(todo, module_index, forward, traced=False)
 
-    def release_params(self, params: Sequence[ShardedParam]) -> None:
-        """Drop the holds taken by :meth:`fetch_params` and release what is unheld."""
+    def release_params(self, params: Sequence[ShardedParam], pin: bool = False) -> None:
+        """Drop the holds (or pins) taken by :meth:`fetch_params`; release what is free."""
         for sp in params:
-            if not sp.persistent:
+            if sp.persistent:
+                continue
+            if pin:
+                sp.pinned = max(0, sp.pinned - 1)
+            else:
                 sp.holds = max(0, sp.holds - 1)
-                if sp.holds == 0:
-                    self._release(sp)
+            if sp.holds == 0:
+                self._release(sp)
 
     def _check_trace(self, index: int, position: int) -> bool:
         """Record or verify this fetch; return True if prefetching may follow it."""
@@ -302,12 +311,11 @@ class ParamCoordinator:
                 self.stats.current.prefetch_misses += 1
             elif prefetched:
                 self.stats.current.prefetch_hits += 1
-        stream = self.comm.current_stream()
         if need:
-            self._issue(need, index, forward, prefetch=False).finish(stream)
+            self._finish(self._issue(need, index, forward, prefetch=False))
         for sp in params:
             if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
-                sp.handle.finish(stream)
+                self._finish(sp.handle)
             self._prefetched.discard(sp.index)
 
     def _issue(
@@ -319,6 +327,9 @@ class ParamCoordinator:
             layout = GatherLayout.build(params)
             self._layouts[key] = layout
         handle = GatherHandle(self.comm, layout, index, self.describe, self.gather_stream)
+        if self.tracer is not None:
+            handle.issued_us = self.tracer.now_us()
+            handle.prefetch = prefetch
         stats = self.stats.current
         numel = sum(sp.numel for sp in params)
         if forward:
@@ -340,8 +351,31 @@ class ParamCoordinator:
                 self._inflight.append(handle)
             else:
                 stats.blocking_prefetches += 1
-                handle.finish(self.comm.current_stream())
+                self._finish(handle)
         return handle
+
+    def _finish(self, handle: GatherHandle) -> None:
+        """Wait for a gather on the compute stream and fill its parameters."""
+        if handle.finished:
+            return
+        tracer = self.tracer
+        if tracer is None:
+            handle.finish(self.comm.current_stream())
+            return
+        waited = tracer.now_us()
+        handle.finish(self.comm.current_stream())
+        end = tracer.now_us()
+        name = self.describe(handle.module_index)
+        kind = "prefetch" if handle.prefetch else "gather"
+        tracer.complete(
+            f"{kind} {name}",
+            kind,
+            handle.issued_us,
+            end,
+            lane="gather",
+            bytes=handle.layout.chunk_bytes * self.comm.world_size,
+        )
+        tracer.complete(f"wait {kind} {name}", "wait", waited, end)
 
     def _prefetch(self, position: int, forward: bool) -> None:
         # A prefetch leaves the in-flight count when a fetch consumes it, never when the
@@ -381,10 +415,10 @@ class ParamCoordinator:
             )
 
     def _release(self, sp: ShardedParam) -> None:
-        if sp.persistent:
+        if sp.persistent or sp.pinned:
             return
         if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
-            sp.handle.finish(self.comm.current_stream())
+            self._finish(sp.handle)
         if sp.status is ParamStatus.AVAILABLE:
             free_full(sp.param)
             sp.status = ParamStatus.NOT_AVAILABLE

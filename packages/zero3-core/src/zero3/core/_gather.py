@@ -21,6 +21,7 @@ Note (fingerprints):
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
@@ -62,12 +63,12 @@ class GatherLayout:
         for sp in params:
             offsets.append(cursor)
             cursor = _align(cursor + sp.shard_numel * sp.shard.element_size())
-        indices = torch.tensor([sp.index for sp in params], dtype=torch.int64)
+        indices = [sp.index for sp in params]
         return cls(
             params=tuple(params),
             offsets=tuple(offsets),
             chunk_bytes=cursor + FINGERPRINT_BYTES,
-            param_hash=zlib.crc32(indices.numpy().tobytes()) & 0x7FFFFFFF,
+            param_hash=zlib.crc32(array.array("q", indices).tobytes()) & 0x7FFFFFFF,
         )
 
     @property
@@ -102,6 +103,8 @@ class GatherHandle:
     ) -> None:
         self.layout = layout
         self.module_index = module_index
+        self.issued_us = 0.0  # set by the coordinator when tracing
+        self.prefetch = False
         self._describe = describe
         self._world = comm.world_size
         device = layout.params[0].shard.device

@@ -67,6 +67,8 @@ class ShardedParam:
         status: Whether the full data is present.
         holds: Modules currently running (forward or backward) that use this parameter;
             it is never released while held.
+        pinned: Open ``gathered_parameters`` blocks holding it; it stays whole across
+            steps until they exit.
         owners: Names of the modules holding it in ``_parameters`` (for messages).
         handle: The gather in flight, while INFLIGHT.
     """
@@ -83,6 +85,7 @@ class ShardedParam:
     world_size: int
     status: ParamStatus = ParamStatus.AVAILABLE
     holds: int = 0
+    pinned: int = 0
     owners: list[str] = dataclasses.field(default_factory=list)
     handle: GatherHandle | None = None
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,7 @@ from zero3.core._config import Zero3Config
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ShardedParam
 from zero3.core._stats import StatsBook
+from zero3.core._tracer import Tracer
 
 __all__ = ["MAX_INFLIGHT_REDUCTIONS", "GradReducer"]
 
@@ -41,6 +43,13 @@ MAX_INFLIGHT_REDUCTIONS = 4
 _LATE_KEY = 0xFFFF
 
 _Finish = Callable[[], None]
+
+
+class _Inflight(NamedTuple):
+    work: Work
+    finish: _Finish
+    key: int
+    issued_us: float
 
 
 class GradReducer:
@@ -79,7 +88,8 @@ class GradReducer:
         self.defer_launches = False
         self._in_epilogue = False
         self.micro_step = 0
-        self._inflight: collections.deque[tuple[Work, _Finish]] = collections.deque()
+        self._inflight: collections.deque[_Inflight] = collections.deque()
+        self.tracer: Tracer | None = None
         self._partitions: dict[torch.dtype, torch.Tensor] = {}
         self.replan(leaf_of)
 
@@ -220,23 +230,24 @@ class GradReducer:
         if self.all_reduce_path:
             work = self.comm.all_reduce(flat, op=ReduceOp.AVG)
 
-            def finish() -> None:
+            def finish_all_reduce() -> None:
                 mine = flat.view(world, -1)[rank]
                 region[:size].add_(mine[:size]) if accumulate else region.copy_(mine)
                 self._fingerprints.append((key, mine[size:]))
 
             self._count(payload_numel, flat.numel(), flat.dtype, factor=2)
-        else:
-            target = torch.empty_like(region) if accumulate else region
-            work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG)
+            self._track(work, finish_all_reduce, key)
+            return
+        target = torch.empty_like(region) if accumulate else region
+        work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG)
 
-            def finish() -> None:
-                if accumulate:
-                    region[:size].add_(target[:size])
-                self._fingerprints.append((key, target[size:]))
+        def finish_reduce_scatter() -> None:
+            if accumulate:
+                region[:size].add_(target[:size])
+            self._fingerprints.append((key, target[size:]))
 
-            self._count(payload_numel, flat.numel(), flat.dtype, factor=1)
-        self._track(work, finish)
+        self._count(payload_numel, flat.numel(), flat.dtype, factor=1)
+        self._track(work, finish_reduce_scatter, key)
 
     def _launch_discrete(self, bucket: GradBucket, region: torch.Tensor) -> None:
         """Discrete path: list reduce-scatter over the bucket's gradients."""
@@ -260,7 +271,7 @@ class GradReducer:
             self._fingerprints.append((bucket.index, target[size:]))
 
         self._count(bucket.payload_numel, sum(t.numel() for t in inputs), bucket.dtype, 1)
-        self._track(work, finish)
+        self._track(work, finish, bucket.index)
 
     def _count(
         self, payload_numel: int, buffer_numel: int, dtype: torch.dtype, factor: int
@@ -273,16 +284,25 @@ class GradReducer:
         stats.reduce_fingerprint_bytes += factor * fingerprint * elem
         stats.reduce_padding_bytes += factor * (buffer_numel - payload_numel - fingerprint) * elem
 
-    def _track(self, work: Work, finish: _Finish) -> None:
-        self._inflight.append((work, finish))
+    def _track(self, work: Work, finish: _Finish, key: int) -> None:
+        issued = self.tracer.now_us() if self.tracer is not None else 0.0
+        self._inflight.append(_Inflight(work, finish, key, issued))
         limit = MAX_INFLIGHT_REDUCTIONS if self.config.overlap_comm else 0
         while len(self._inflight) > limit:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        work, finish = self._inflight.popleft()
-        work.wait(self.comm.current_stream())
-        finish()
+        entry = self._inflight.popleft()
+        tracer = self.tracer
+        waited = tracer.now_us() if tracer is not None else 0.0
+        entry.work.wait(self.comm.current_stream())
+        entry.finish()
+        if tracer is not None:
+            end = tracer.now_us()
+            tracer.complete(
+                f"reduce bucket {entry.key}", "reduce", entry.issued_us, end, lane="reduce"
+            )
+            tracer.complete(f"wait reduce bucket {entry.key}", "wait", waited, end)
 
     def _check_fingerprints(self) -> None:
         """Every reduction's fingerprint bits must have come back exactly 0 or 1."""

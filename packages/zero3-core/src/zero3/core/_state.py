@@ -17,6 +17,7 @@ from zero3.core._coordinator import ParamCoordinator
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._reducer import GradReducer
 from zero3.core._stats import StatsBook, StepStats
+from zero3.core._tracer import Tracer
 
 __all__ = ["ShardedModelState", "mark_leaf", "sharded_state", "state_of", "try_sharded_state"]
 
@@ -209,6 +210,16 @@ class ShardedModelState:
         for index, (name, mod) in enumerate(self.modules):
             if index not in inside:
                 yield index, name, mod
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The trace-event recorder (None: tracing off). Set it to start tracing."""
+        return self.coordinator.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer | None) -> None:
+        self.coordinator.tracer = tracer
+        self.reducer.tracer = tracer
 
     def last_stats(self) -> StepStats:
         """Counters of the last finished step (the step in progress is not finished)."""

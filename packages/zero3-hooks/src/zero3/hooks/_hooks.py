@@ -90,6 +90,7 @@ class ModelHooks:
         self._handles: list[RemovableHandle] = []
         self._access_dicts: list[tuple[nn.Module, ParamAccessDict]] = []
         self._owned: dict[int, frozenset[int]] = {}
+        self._span_starts: dict[tuple[str, int], list[float]] = {}
 
     # -- installation -------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class ModelHooks:
             self._unwind()  # a previous forward raised: its modules never exited
         if not self.stack and not _in_backward():
             self._start_forward()
+        self._span_begin("fwd", index)
         self.coordinator.fetch_sub_module(module, forward=not _in_backward())
         self.stack.append(index)
         if not torch.is_grad_enabled():
@@ -169,6 +171,7 @@ class ModelHooks:
         self._adopt_dangling(index, output)
         self.coordinator.release_sub_module(module)
         self.stack.pop()
+        self._span_end("fwd", index)
         if torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors(output)):
             self.pre_counts[index] = self.pre_counts.get(index, 0) + 1
             output = self._wrap(PreBackward, index, output)
@@ -235,6 +238,7 @@ class ModelHooks:
         if count > 0:
             self.pre_counts[module_index] = count - 1
         self.in_backward_passes[module_index] = self.in_backward_passes.get(module_index, 0) + 1
+        self._span_begin("bwd", module_index)
         module = self.state.modules[module_index][1]
         self.coordinator.fetch_sub_module(module, forward=False)
 
@@ -250,6 +254,7 @@ class ModelHooks:
         self.coordinator.release_sub_module(module)
         if self.coordinator.is_leaf(module_index):
             self.reducer.leaf_done(module_index)
+        self._span_end("bwd", module_index)
 
     def _on_grad(self, sp: ShardedParam, param: torch.Tensor) -> None:
         self._queue_epilogue()
@@ -271,8 +276,33 @@ class ModelHooks:
             return  # an inner (reentrant checkpoint) backward ended; the outer goes on
         self.epilogue()
 
+    def _span_begin(self, phase: str, index: int) -> None:
+        tracer = self.state.tracer
+        if tracer is not None:
+            self._span_starts.setdefault((phase, index), []).append(tracer.now_us())
+
+    def _span_end(self, phase: str, index: int) -> None:
+        tracer = self.state.tracer
+        starts = self._span_starts.get((phase, index))
+        if tracer is not None and starts:
+            name = self.coordinator.describe(index)
+            tracer.complete(
+                f"{phase} {name}",
+                "forward" if phase == "fwd" else "backward",
+                starts.pop(),
+                tracer.now_us(),
+            )
+
     def epilogue(self) -> None:
         """End of backward: reduce what is left, release everything, end the step."""
+        tracer = self.state.tracer
+        start = tracer.now_us() if tracer is not None else 0.0
+        self._epilogue()
+        if tracer is not None:
+            tracer.complete("epilogue", "backward", start, tracer.now_us())
+        self._span_starts.clear()
+
+    def _epilogue(self) -> None:
         self.reducer.end_backward()
         if self.coordinator.step_open:
             self.coordinator.end_step(self.state.params)

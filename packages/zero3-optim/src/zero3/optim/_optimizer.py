@@ -290,6 +290,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        tracer = self._zstate.tracer
+        start = tracer.now_us() if tracer is not None else 0.0
         try:
             if self.fp16 and self._overflow():
                 self.scaler.update(overflow=True)
@@ -305,6 +307,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 self.scaler.update(overflow=False)
         finally:
             self._end_window()
+            if tracer is not None:
+                tracer.complete("optimizer.step", "optimizer", start, tracer.now_us())
         return loss
 
     def _step_subgroup(self, sg: _SubGroup) -> None:

@@ -1,0 +1,119 @@
+"""The main job end to end: tools/train.py in every launch mode CI has."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "tools" / "train.py"
+BIN = Path(sys.executable).parent
+TINY = [
+    "--steps", "3", "--layers", "1", "--d-model", "64", "--heads", "4", "--seq-len", "32",
+    "--batch", "2", "--param-persistence-threshold", "0", "--samples", "1",
+    "--sample-length", "12", "--no-progress", "--warmup", "1",
+]  # fmt: skip
+
+
+def _run(cmd: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _check_outputs(result: subprocess.CompletedProcess[str], tmp_path: Path, world: int) -> None:
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "zero3 summary: world 2" in out
+    assert "100.0% of elements sharded" in out
+    assert "payload per step" in out and "theory" in out
+    assert "--- sample 1 ---" in out
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    pids = {e["pid"] for e in trace["traceEvents"]}
+    assert pids == set(range(world))  # one track per rank
+    cats = {e.get("cat") for e in trace["traceEvents"]}
+    assert {"forward", "backward", "reduce", "optimizer"} <= cats
+    assert cats & {"gather", "prefetch"}
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+OUTPUTS = ["--trace", "trace.json", "--plot", "loss.png"]
+
+
+def test_self_launched(tmp_path):
+    result = _run([sys.executable, str(TRAIN), "--nproc", "2", *TINY, *OUTPUTS], tmp_path)
+    assert "launching 2 local ranks" in result.stdout
+    _check_outputs(result, tmp_path, 2)
+
+
+def test_under_torchrun(tmp_path):
+    torchrun = BIN / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN), *TINY, *OUTPUTS]
+    _check_outputs(_run(cmd, tmp_path), tmp_path, 2)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec", path=str(BIN)) is None, reason="no mpiexec in the environment")
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_under_mpiexec(tmp_path, backend):
+    cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, str(TRAIN), "--backend", backend, *TINY, *OUTPUTS]
+    result = _run(cmd, tmp_path)
+    _check_outputs(result, tmp_path, 2)
+    assert f"zero3: {backend} backend, world 2" in result.stdout
+
+
+def test_deepspeed_config(tmp_path):
+    ds = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.0}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 2e-3}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5000},
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    args = [a for a in TINY if a not in ("--batch", "2")]
+    result = _run([sys.executable, str(TRAIN), "--nproc", "2", "--deepspeed-config", "ds.json", *args], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "batch 2 x accumulation 2" in result.stdout
+    assert "'lr': 0.002" in result.stdout
+    assert "theory 2 x (released after forward" in result.stdout  # stage3_max_reuse_distance 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+        (["--d-model", "100"], "--d-model 100 must be divisible by --heads 6"),
+        (["--backend", "nccl"], "comm backend 'nccl' is not available here"),
+        (["--backend", "glooo"], "unknown comm backend 'glooo'"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--deepspeed-config", "missing.json"], "no such file"),
+    ],
+)
+def test_bad_flags_get_clear_messages(tmp_path, flags, message):
+    result = _run([sys.executable, str(TRAIN), *flags], tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_default_model_really_shards():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from _train.data import CharCorpus
+    from _train.model import GPT, GPTConfig
+    from _train.settings import parser, settings_from
+
+    settings = settings_from(parser().parse_args([]), world_size=2)
+    threshold = settings.config.param_persistence_threshold
+    model = GPT(GPTConfig(CharCorpus().vocab_size))
+    sizes = [p.numel() for p in model.parameters()]
+    assert sum(n for n in sizes if n > threshold) / sum(sizes) >= 0.95

@@ -1,0 +1,1 @@
+"""Pieces of tools/train.py (the main job): data, model, launch, report."""

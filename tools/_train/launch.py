@@ -1,0 +1,109 @@
+"""How the ranks come to be: self-launched, torchrun, or mpiexec."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+CHILD_FLAG = "ZERO3_TRAIN_CHILD"
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def launched_by_torch() -> bool:
+    """torchrun (or our own launcher) set the rendezvous variables."""
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launched_by_mpi() -> bool:
+    """mpiexec started this process."""
+    return any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def bootstrap_torch_env_from_mpi() -> None:
+    """Under mpiexec with a torch.distributed backend: agree on a rendezvous through MPI."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    port = _free_port() if comm.Get_rank() == 0 else None
+    port = comm.bcast(port, root=0)
+    os.environ.update(
+        RANK=str(comm.Get_rank()),
+        WORLD_SIZE=str(comm.Get_size()),
+        LOCAL_RANK=str(comm.Get_rank()),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def self_launch(world_size: int, argv: list[str]) -> int:
+    """Start ``world_size`` local ranks running this script; return the exit code.
+
+    Each rank gets torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_*``) and
+    ``OMP_NUM_THREADS = cores // world_size``. If one rank fails, the others are
+    stopped, so a failure never leaves processes hanging.
+    """
+    threads = max(1, usable_cores() // world_size)
+    port = _free_port()
+    procs: list[subprocess.Popen[Any]] = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(threads),
+            PYTHONUNBUFFERED="1",
+        )
+        env[CHILD_FLAG] = "1"
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+    try:
+        return _wait_all(procs)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+
+
+def _wait_all(procs: list[subprocess.Popen[Any]]) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            _stop(procs)
+            return failed[0] if failed[0] > 0 else 1
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _stop(procs: list[subprocess.Popen[Any]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -1,0 +1,202 @@
+"""The end-of-run summary, the trace file and the plot."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero3.comm import CommBackend
+from zero3.core import StepStats, Zero3Config, sharded_state
+from zero3.optim import PartitionedOptimizer
+
+METRICS = [
+    "peak_rss",
+    "held",
+    "unsharded",
+    "gather_payload",
+    "gather_padding",
+    "gather_fingerprint",
+    "reduce_payload",
+    "reduce_padding",
+    "reduce_fingerprint",
+    "flags",
+    "refresh",
+    "gathers",
+    "reductions",
+    "small",
+    "hit_rate",
+    "invalidations",
+    "step_time",
+]
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(model: nn.Module, opt: PartitionedOptimizer) -> tuple[int, int]:
+    """(bytes of model state this rank holds, bytes one unsharded process would hold).
+
+    Held: parameter shards, whole persistent parameters, fp32 masters, optimizer state
+    and gradient shards, counted by distinct storage. Unsharded: the same state for
+    every element (parameters, gradients, masters if the parameters are not fp32, and
+    the optimizer's bytes per element as measured here).
+    """
+    state = sharded_state(model)
+    held_tensors = [sp.shard for sp in state.params]
+    held_tensors += [sp.param for sp in state.params if sp.persistent]
+    masters = [sg.master for sg in opt._subgroups]
+    opt_state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    grads = list(state.reducer.partition_buffers().values())
+    held = _bytes(held_tensors + masters + opt_state + grads)
+    psi = sum(sp.numel for sp in state.params)
+    local = max(1, sum(m.numel() for m in masters))
+    param_el = state.params[0].param.element_size()
+    grad_el = torch.empty((), dtype=state.config.reduce_dtype or state.params[0].dtype).element_size()
+    per_element = param_el + grad_el + (4 if param_el != 4 else 0) + _bytes(opt_state) / local
+    return held, int(psi * per_element)
+
+
+def rank_metrics(
+    model: nn.Module, opt: PartitionedOptimizer, stats: StepStats, step_times: list[float]
+) -> torch.Tensor:
+    """This rank's summary numbers (in ``METRICS`` order)."""
+    held, unsharded = model_state_bytes(model, opt)
+    state = sharded_state(model)
+    values = [
+        peak_rss_bytes(), held, unsharded,
+        stats.gather_payload_bytes, stats.gather_padding_bytes, stats.gather_fingerprint_bytes,
+        stats.reduce_payload_bytes, stats.reduce_padding_bytes, stats.reduce_fingerprint_bytes,
+        stats.grad_flag_bytes, stats.refresh_bytes,
+        stats.gathers, stats.reduce_collectives,
+        1 + stats.refresh_gathers + stats.other_collectives,  # +1: the flags all-reduce
+        stats.prefetch_hit_rate, state.stats.total_invalidations,
+        statistics.median(step_times) if step_times else 0.0,
+    ]  # fmt: skip
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def gather_rows(comm: CommBackend, row: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's metric row, on every rank."""
+    out = torch.empty(comm.world_size * row.numel(), dtype=row.dtype)
+    comm.all_gather(out, row).wait()
+    return list(out.view(comm.world_size, -1))
+
+
+def gather_bytes(comm: CommBackend, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload`` (variable length), on every rank."""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = torch.empty(comm.world_size, dtype=torch.int64)
+    comm.all_gather(sizes, size).wait()
+    longest = int(sizes.max())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    out = torch.empty(longest * comm.world_size, dtype=torch.uint8)
+    comm.all_gather(out, mine).wait()
+    rows = out.view(comm.world_size, longest)
+    return [bytes(rows[r, : int(sizes[r])].tolist()) for r in range(comm.world_size)]
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:8.2f} MiB"
+
+
+def format_summary(
+    rows: list[torch.Tensor], model: nn.Module, config: Zero3Config, tokens_per_step: int
+) -> str:
+    """The per-rank summary table plus the bytes-vs-theory lines."""
+    state = sharded_state(model)
+    n = len(rows)
+    wire = (n - 1) / n
+    sharded = [sp for sp in state.params if not sp.persistent]
+    psi = sum(sp.numel for sp in state.params)
+    psi_s = sum(sp.numel for sp in sharded)
+    el = state.params[0].param.element_size()
+    trainable = sum(sp.numel for sp in state.params if sp.requires_grad)
+    red_el = torch.empty((), dtype=config.reduce_dtype or state.params[0].dtype).element_size()
+    lines = [
+        "",
+        f"zero3 summary: world {n}, {psi / 1e6:.2f}M parameters, "
+        f"{100 * psi_s / psi:.1f}% of elements sharded ({len(sharded)} of "
+        f"{len(state.params)} tensors; the rest are persistent, <= "
+        f"{config.param_persistence_threshold} elements)",
+        "rank |   peak RSS   | model state held vs unsharded   | collectives/step:    "
+        "| prefetch | step time (tokens/s)",
+        "     |              |                                 | gather reduce small  "
+        "| hits     |",
+    ]
+    for r, row in enumerate(rows):
+        m = dict(zip(METRICS, row.tolist(), strict=True))
+        lines.append(
+            f"{r:4d} | {_mb(m['peak_rss'])} | {_mb(m['held'])} vs {_mb(m['unsharded'])} "
+            f"({m['held'] / max(1, m['unsharded']):.2f}x) | {int(m['gathers']):6d} "
+            f"{int(m['reductions']):6d} {int(m['small']):5d}  | {100 * m['hit_rate']:5.1f}%   "
+            f"| {m['step_time']:.3f} s ({tokens_per_step / max(1e-9, m['step_time']):,.0f})"
+        )
+    m = dict(zip(METRICS, rows[0].tolist(), strict=True))
+    whole = config.max_reuse_distance >= psi_s
+    k_gather = m["gather_payload"] / max(1, psi_s * el)
+    k_reduce = m["reduce_payload"] / max(1, trainable * red_el)
+    lines += [
+        "payload per step (rank 0; each rank moves (N-1)/N of a ring collective's buffer):",
+        f"  gathered {_mb(m['gather_payload'] * wire)} = {k_gather:.2f} x Psi_s(N-1)/N; theory "
+        f"{1 if whole else 2} x ({'max_reuse_distance keeps the model whole into backward' if whole else 'released after forward, gathered again in backward'})",
+        f"  reduced  {_mb(m['reduce_payload'] * wire)} = {k_reduce:.2f} x Psi(N-1)/N; theory "
+        f"{2 if config.grad_reduce_op == 'all_reduce' else 1} x ({config.grad_reduce_op})",
+        f"  apart: padding {_mb((m['gather_padding'] + m['reduce_padding']) * wire)}, "
+        f"fingerprints {_mb((m['gather_fingerprint'] + m['reduce_fingerprint']) * wire)}, "
+        f"got-grad flags {m['flags'] * wire:.0f} B, persistent refresh {_mb(m['refresh'] * wire)}",
+        f"  trace invalidations (whole run): {int(m['invalidations'])}",
+    ]
+    return "\n".join(lines)
+
+
+def write_trace(path: Path, per_rank_events: list[bytes]) -> None:
+    """Merge every rank's events into one Chrome/Perfetto trace file."""
+    events: list[dict[str, Any]] = []
+    for blob in per_rank_events:
+        events.extend(json.loads(blob.decode()))
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def write_plot(path: Path, losses: list[float], step_times: list[float]) -> None:
+    """Loss and step time per step, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - matplotlib is in the dev group
+        raise SystemExit(f"error: --plot needs matplotlib (pip install matplotlib): {exc}") from exc
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    steps = list(range(1, len(losses) + 1))
+    ax1.plot(steps, losses, color="tab:blue")
+    ax1.set_ylabel("loss (mean over ranks)")
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, step_times, color="tab:orange")
+    ax2.set_ylabel("step time (s, slowest rank)")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    fig.suptitle("zero3 training")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)

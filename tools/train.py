@@ -1,0 +1,203 @@
+"""zero3's main job: train a small GPT on Shakespeare with every state sharded.
+
+    ./dev train                               # self-launches one rank per core (2 here)
+    ./dev train --steps 200 --dtype bf16 --trace trace.json --plot loss.png
+    torchrun --standalone --nproc-per-node 2 tools/train.py
+    mpiexec -n 2 python tools/train.py        # the mpi backend, no torch.distributed
+
+Run with --help for every flag. The corpus (Shakespeare's tragedies, public domain)
+ships in tools/data/.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _train import launch, report  # noqa: E402
+from _train.data import CharCorpus  # noqa: E402
+from _train.model import GPT, GPTConfig, sample  # noqa: E402
+from _train.settings import Settings, lr_lambda, parser, settings_from  # noqa: E402
+
+from zero3.comm import CommBackend, ReduceOp, create_backend  # noqa: E402
+from zero3.core import Tracer, gathered_parameters, sharded_state  # noqa: E402
+from zero3.hooks import shard_module, stats  # noqa: E402
+from zero3.optim import PartitionedOptimizer  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, then launch ranks or act as one."""
+    args = parser().parse_args(argv)
+    if not (launch.launched_by_torch() or launch.launched_by_mpi()):
+        nproc = args.nproc or min(4, launch.usable_cores())
+        if nproc < 1:
+            parser().error(f"--nproc must be >= 1, got {nproc}")
+        try:  # fail once, here, rather than once per rank
+            _preflight(args, nproc)
+        except (ValueError, TypeError, LookupError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"zero3: launching {nproc} local ranks (torchrun-style env, gloo rendezvous)")
+        return launch.self_launch(nproc, [str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
+    if launch.launched_by_mpi() and not launch.launched_by_torch() and args.backend not in ("auto", "mpi"):
+        launch.bootstrap_torch_env_from_mpi()
+    try:
+        return train(args)
+    except (ValueError, TypeError, LookupError, RuntimeError) as exc:
+        rank = os.environ.get("RANK", os.environ.get("PMI_RANK", "?"))
+        print(f"error (rank {rank}): {exc}", file=sys.stderr)
+        return 2
+
+
+def _preflight(args: object, nproc: int) -> None:
+    """Check flags, config, model shape and backend before starting any rank."""
+    from zero3.comm import BackendUnavailableError, registered_backends
+    from zero3.comm._registry import _load
+
+    settings_from(args, nproc)  # type: ignore[arg-type]
+    GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
+    backend = getattr(args, "backend")
+    if backend != "auto":
+        if backend not in registered_backends():
+            _load()[1].get(backend)  # raises UnknownBackendError listing the names
+        reason = _load()[1].get(backend).unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"comm backend {backend!r} is not available here: {reason}")
+
+
+def _mean_and_max(comm: CommBackend, value: float, seconds: float) -> tuple[float, float]:
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(t, op=ReduceOp.SUM).wait()
+    s = torch.tensor([seconds], dtype=torch.float64)
+    comm.all_reduce(s, op=ReduceOp.MAX).wait()
+    return float(t) / comm.world_size, float(s)
+
+
+def _progress(enabled: bool, total: int) -> object | None:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train(args: object) -> int:
+    """One rank's whole run."""
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    comm = create_backend(getattr(args, "backend"), timeout_s=300)
+    settings = settings_from(args, comm.world_size)  # type: ignore[arg-type]
+    rank, world = comm.rank, comm.world_size
+    corpus = CharCorpus()
+    shape = GPTConfig(corpus.vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
+    torch.manual_seed(settings.seed)
+    model = GPT(shape)
+    shard_module(model, settings.config, comm=comm)
+    opt = PartitionedOptimizer(model, settings.optimizer, **settings.optimizer_kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(settings, args.warmup))  # type: ignore[attr-defined]
+    if rank == 0:
+        _print_setup(comm, settings, model)
+    losses, times = _loop(args, comm, settings, corpus, model, opt, scheduler)
+    tracer, sharded_state(model).tracer = sharded_state(model).tracer, None  # not the samples
+    rows = report.gather_rows(comm, report.rank_metrics(model, opt, stats(model), times))
+    tokens = settings.batch * settings.accumulation * world * shape.seq_len
+    if rank == 0:
+        print(report.format_summary(rows, model, settings.config, tokens))
+    _samples(args, comm, corpus, model, shape)
+    _outputs(args, comm, tracer, losses, times)
+    comm.barrier().wait()
+    return 0
+
+
+def _print_setup(comm: CommBackend, settings: Settings, model: torch.nn.Module) -> None:
+    psi = sum(p.numel() for p in model.parameters())
+    print(
+        f"zero3: {comm.name} backend, world {comm.world_size}, GPT {psi / 1e6:.2f}M params, "
+        f"{settings.dtype}, batch {settings.batch} x accumulation {settings.accumulation} per "
+        f"rank, {settings.optimizer.__name__}({settings.optimizer_kwargs}), {settings.steps} steps"
+    )
+
+
+def _loop(
+    args: object,
+    comm: CommBackend,
+    settings: Settings,
+    corpus: CharCorpus,
+    model: torch.nn.Module,
+    opt: PartitionedOptimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[list[float], list[float]]:
+    rank, world = comm.rank, comm.world_size
+    seq = model.cfg.seq_len  # type: ignore[union-attr]
+    bar = _progress(rank == 0 and not args.no_progress, settings.steps)  # type: ignore[attr-defined]
+    trace_from = settings.steps - args.trace_steps if args.trace else settings.steps + 1  # type: ignore[attr-defined]
+    tokens = settings.batch * settings.accumulation * world * seq
+    losses, times = [], []
+    for step in range(settings.steps):
+        if step == trace_from:
+            sharded_state(model).tracer = Tracer(rank)
+        start = time.perf_counter()
+        total = 0.0
+        for micro in range(settings.accumulation):
+            x, y = corpus.batch(step * settings.accumulation + micro, rank, world, settings.batch, seq, settings.seed)
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+            opt.scale_loss(loss / settings.accumulation).backward()
+            total += float(loss.detach()) / settings.accumulation
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        mean, slowest = _mean_and_max(comm, total, time.perf_counter() - start)
+        losses.append(mean)
+        times.append(slowest)
+        if bar is not None:
+            bar.set_postfix(loss=f"{mean:.3f}", tok_s=f"{tokens / slowest:,.0f}", step_s=f"{slowest:.2f}")  # type: ignore[attr-defined]
+            bar.update(1)  # type: ignore[attr-defined]
+        elif rank == 0 and (step % 10 == 0 or step == settings.steps - 1):
+            print(f"step {step + 1}/{settings.steps} loss {mean:.4f} {slowest:.3f} s/step", flush=True)
+    if bar is not None:
+        bar.close()  # type: ignore[attr-defined]
+    return losses, times
+
+
+def _samples(args: object, comm: CommBackend, corpus: CharCorpus, model: torch.nn.Module, shape: GPTConfig) -> None:
+    if args.samples <= 0:  # type: ignore[attr-defined]
+        return
+    model.eval()
+    # One gather for the whole generation: every token's forward then finds the
+    # parameters whole instead of gathering the model again.
+    with gathered_parameters(list(model.parameters())):
+        for i in range(args.samples):  # type: ignore[attr-defined]
+            prompt = corpus.encode(["ROMEO:\n", "HAMLET:\n", "KING LEAR:\n"][i % 3])
+            ids = sample(model, prompt, args.sample_length, shape.seq_len, seed=i)  # type: ignore[attr-defined]
+            if comm.rank == 0:
+                print(f"\n--- sample {i + 1} ---\n{corpus.decode(prompt)}{corpus.decode(ids)}")
+    model.train()
+
+
+def _outputs(
+    args: object, comm: CommBackend, tracer: Tracer | None, losses: list[float], times: list[float]
+) -> None:
+    if args.trace is not None:  # type: ignore[attr-defined]
+        import json
+
+        mine = json.dumps(tracer.chrome_events() if tracer is not None else []).encode()
+        blobs = report.gather_bytes(comm, mine)
+        if comm.rank == 0:
+            report.write_trace(args.trace, blobs)  # type: ignore[attr-defined]
+            print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")  # type: ignore[attr-defined]
+    if args.plot is not None and comm.rank == 0:  # type: ignore[attr-defined]
+        report.write_plot(args.plot, losses, times)  # type: ignore[attr-defined]
+        print(f"plot: {args.plot}")  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
