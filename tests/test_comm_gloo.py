@@ -21,8 +21,9 @@ def _rank_values(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) % 7 + rank * 3).to(dtype)
 
 
-def _all_collectives(dtype: torch.dtype, asynchronous: bool) -> None:
-    comm = GlooBackend(timeout_s=30)
+def _all_collectives(dtype: torch.dtype, asynchronous: bool, native: bool = False) -> None:
+    via = {"all_gather_via": "native", "reduce_scatter_via": "native"} if native else {}
+    comm = GlooBackend(timeout_s=30, **via)
     r, n = comm.rank, comm.world_size
 
     def done(work) -> None:
@@ -86,8 +87,9 @@ def _all_collectives(dtype: torch.dtype, asynchronous: bool) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_every_collective(worker_pool, world_size, dtype, asynchronous):
-    worker_pool(world_size).run(_all_collectives, dtype, asynchronous)
+@pytest.mark.parametrize("native", [False, True], ids=["default", "native"])
+def test_every_collective(worker_pool, world_size, dtype, asynchronous, native):
+    worker_pool(world_size).run(_all_collectives, dtype, asynchronous, native)
 
 
 def _async_is_real() -> dict[str, object]:

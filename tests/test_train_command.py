@@ -22,7 +22,11 @@ TINY = [
 
 
 def _run(cmd: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
+    }
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -60,10 +64,22 @@ def test_under_torchrun(tmp_path):
     _check_outputs(_run(cmd, tmp_path), tmp_path, 2)
 
 
-@pytest.mark.skipif(shutil.which("mpiexec", path=str(BIN)) is None, reason="no mpiexec in the environment")
+@pytest.mark.skipif(
+    shutil.which("mpiexec", path=str(BIN)) is None, reason="no mpiexec in the environment"
+)
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_under_mpiexec(tmp_path, backend):
-    cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, str(TRAIN), "--backend", backend, *TINY, *OUTPUTS]
+    cmd = [
+        str(BIN / "mpiexec"),
+        "-n",
+        "2",
+        sys.executable,
+        str(TRAIN),
+        "--backend",
+        backend,
+        *TINY,
+        *OUTPUTS,
+    ]
     result = _run(cmd, tmp_path)
     _check_outputs(result, tmp_path, 2)
     assert f"zero3: {backend} backend, world 2" in result.stdout
@@ -77,11 +93,18 @@ def test_deepspeed_config(tmp_path):
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.0}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 2e-3}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 5000},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 0,
+            "reduce_bucket_size": 5000,
+        },
     }
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     args = [a for a in TINY if a not in ("--batch", "2")]
-    result = _run([sys.executable, str(TRAIN), "--nproc", "2", "--deepspeed-config", "ds.json", *args], tmp_path)
+    result = _run(
+        [sys.executable, str(TRAIN), "--nproc", "2", "--deepspeed-config", "ds.json", *args],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "batch 2 x accumulation 2" in result.stdout
     assert "'lr': 0.002" in result.stdout

@@ -21,15 +21,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _train import launch, report  # noqa: E402
-from _train.data import CharCorpus  # noqa: E402
-from _train.model import GPT, GPTConfig, sample  # noqa: E402
-from _train.settings import Settings, lr_lambda, parser, settings_from  # noqa: E402
+from _train import launch, report
+from _train.data import CharCorpus
+from _train.model import GPT, GPTConfig, sample
+from _train.settings import Settings, lr_lambda, parser, settings_from
 
-from zero3.comm import CommBackend, ReduceOp, create_backend  # noqa: E402
-from zero3.core import Tracer, gathered_parameters, sharded_state  # noqa: E402
-from zero3.hooks import shard_module, stats  # noqa: E402
-from zero3.optim import PartitionedOptimizer  # noqa: E402
+from zero3.comm import CommBackend, ReduceOp, create_backend
+from zero3.core import Tracer, gathered_parameters, sharded_state
+from zero3.hooks import shard_module, stats
+from zero3.optim import PartitionedOptimizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"zero3: launching {nproc} local ranks (torchrun-style env, gloo rendezvous)")
         return launch.self_launch(nproc, [str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
-    if launch.launched_by_mpi() and not launch.launched_by_torch() and args.backend not in ("auto", "mpi"):
+    if (
+        launch.launched_by_mpi()
+        and not launch.launched_by_torch()
+        and args.backend not in ("auto", "mpi")
+    ):
         launch.bootstrap_torch_env_from_mpi()
     try:
         return train(args)
@@ -63,13 +67,15 @@ def _preflight(args: object, nproc: int) -> None:
 
     settings_from(args, nproc)  # type: ignore[arg-type]
     GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
-    backend = getattr(args, "backend")
+    backend = args.backend
     if backend != "auto":
         if backend not in registered_backends():
             _load()[1].get(backend)  # raises UnknownBackendError listing the names
         reason = _load()[1].get(backend).unavailable_reason()
         if reason is not None:
-            raise BackendUnavailableError(f"comm backend {backend!r} is not available here: {reason}")
+            raise BackendUnavailableError(
+                f"comm backend {backend!r} is not available here: {reason}"
+            )
 
 
 def _mean_and_max(comm: CommBackend, value: float, seconds: float) -> tuple[float, float]:
@@ -93,7 +99,7 @@ def train(args: object) -> int:
     threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
-    comm = create_backend(getattr(args, "backend"), timeout_s=300)
+    comm = create_backend(args.backend, timeout_s=300)
     settings = settings_from(args, comm.world_size)  # type: ignore[arg-type]
     rank, world = comm.rank, comm.world_size
     corpus = CharCorpus()
@@ -147,7 +153,14 @@ def _loop(
         start = time.perf_counter()
         total = 0.0
         for micro in range(settings.accumulation):
-            x, y = corpus.batch(step * settings.accumulation + micro, rank, world, settings.batch, seq, settings.seed)
+            x, y = corpus.batch(
+                step * settings.accumulation + micro,
+                rank,
+                world,
+                settings.batch,
+                seq,
+                settings.seed,
+            )
             logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
             opt.scale_loss(loss / settings.accumulation).backward()
@@ -159,16 +172,22 @@ def _loop(
         losses.append(mean)
         times.append(slowest)
         if bar is not None:
-            bar.set_postfix(loss=f"{mean:.3f}", tok_s=f"{tokens / slowest:,.0f}", step_s=f"{slowest:.2f}")  # type: ignore[attr-defined]
+            bar.set_postfix(
+                loss=f"{mean:.3f}", tok_s=f"{tokens / slowest:,.0f}", step_s=f"{slowest:.2f}"
+            )  # type: ignore[attr-defined]
             bar.update(1)  # type: ignore[attr-defined]
         elif rank == 0 and (step % 10 == 0 or step == settings.steps - 1):
-            print(f"step {step + 1}/{settings.steps} loss {mean:.4f} {slowest:.3f} s/step", flush=True)
+            print(
+                f"step {step + 1}/{settings.steps} loss {mean:.4f} {slowest:.3f} s/step", flush=True
+            )
     if bar is not None:
         bar.close()  # type: ignore[attr-defined]
     return losses, times
 
 
-def _samples(args: object, comm: CommBackend, corpus: CharCorpus, model: torch.nn.Module, shape: GPTConfig) -> None:
+def _samples(
+    args: object, comm: CommBackend, corpus: CharCorpus, model: torch.nn.Module, shape: GPTConfig
+) -> None:
     if args.samples <= 0:  # type: ignore[attr-defined]
         return
     model.eval()

@@ -34,14 +34,18 @@ class CharCorpus:
         space = self.index.get(" ", 0)
         return [self.index.get(c, space) for c in text]
 
-    def batch(self, step: int, rank: int, world: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, rank: int, world: int, batch: int, seq: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of the global batch for ``step`` (inputs, next-char targets).
 
         The global batch (``world * batch`` windows) depends only on the seed and the
         step, so any world size sees the same global data.
         """
         if seq + 1 >= self.data.numel():
-            raise ValueError(f"--seq-len {seq} is longer than the corpus ({self.data.numel()} chars)")
+            raise ValueError(
+                f"--seq-len {seq} is longer than the corpus ({self.data.numel()} chars)"
+            )
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, self.data.numel() - seq - 1, (world * batch,), generator=g)
         mine = starts[rank * batch : (rank + 1) * batch]

@@ -21,9 +21,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
-            raise ValueError(
-                f"--d-model {self.d_model} must be divisible by --heads {self.n_head}"
-            )
+            raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.n_head}")
         for name in ("n_layer", "d_model", "n_head", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -91,7 +89,14 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def sample(model: nn.Module, prompt: list[int], length: int, seq_len: int, seed: int, temperature: float = 0.8) -> list[int]:
+def sample(
+    model: nn.Module,
+    prompt: list[int],
+    length: int,
+    seq_len: int,
+    seed: int,
+    temperature: float = 0.8,
+) -> list[int]:
     """Sample ``length`` tokens after ``prompt`` (same seed on every rank: same text)."""
     g = torch.Generator().manual_seed(seed)
     ids = list(prompt)

@@ -70,7 +70,9 @@ def model_state_bytes(model: nn.Module, opt: PartitionedOptimizer) -> tuple[int,
     psi = sum(sp.numel for sp in state.params)
     local = max(1, sum(m.numel() for m in masters))
     param_el = state.params[0].param.element_size()
-    grad_el = torch.empty((), dtype=state.config.reduce_dtype or state.params[0].dtype).element_size()
+    grad_el = torch.empty(
+        (), dtype=state.config.reduce_dtype or state.params[0].dtype
+    ).element_size()
     per_element = param_el + grad_el + (4 if param_el != 4 else 0) + _bytes(opt_state) / local
     return held, int(psi * per_element)
 
@@ -141,8 +143,7 @@ def format_summary(
         f"{config.param_persistence_threshold} elements)",
         "rank |   peak RSS   | model state held vs unsharded   | collectives/step:    "
         "| prefetch | step time (tokens/s)",
-        "     |              |                                 | gather reduce small  "
-        "| hits     |",
+        "     |              |                                 | gather reduce small  | hits     |",
     ]
     for r, row in enumerate(rows):
         m = dict(zip(METRICS, row.tolist(), strict=True))
@@ -154,12 +155,17 @@ def format_summary(
         )
     m = dict(zip(METRICS, rows[0].tolist(), strict=True))
     whole = config.max_reuse_distance >= psi_s
+    why_gather = (
+        "max_reuse_distance keeps the model whole into backward"
+        if whole
+        else "released after forward, gathered again in backward"
+    )
     k_gather = m["gather_payload"] / max(1, psi_s * el)
     k_reduce = m["reduce_payload"] / max(1, trainable * red_el)
     lines += [
         "payload per step (rank 0; each rank moves (N-1)/N of a ring collective's buffer):",
         f"  gathered {_mb(m['gather_payload'] * wire)} = {k_gather:.2f} x Psi_s(N-1)/N; theory "
-        f"{1 if whole else 2} x ({'max_reuse_distance keeps the model whole into backward' if whole else 'released after forward, gathered again in backward'})",
+        f"{1 if whole else 2} x ({why_gather})",
         f"  reduced  {_mb(m['reduce_payload'] * wire)} = {k_reduce:.2f} x Psi(N-1)/N; theory "
         f"{2 if config.grad_reduce_op == 'all_reduce' else 1} x ({config.grad_reduce_op})",
         f"  apart: padding {_mb((m['gather_padding'] + m['reduce_padding']) * wire)}, "

@@ -45,13 +45,25 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = p.add_argument_group("launch")
-    run.add_argument("--nproc", type=int, default=None,
-                     help="local ranks to start (default: one per usable core, at most 4); "
-                     "ignored under torchrun/mpiexec")
-    run.add_argument("--backend", default="auto",
-                     help="comm backend: auto, gloo, mpi, nccl, hccl, cupy-nccl, or a plugin's")
-    run.add_argument("--deepspeed-config", type=Path, default=None, metavar="DS.JSON",
-                     help="a DeepSpeed config: ZeRO keys, batch, optimizer and scheduler")
+    run.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default: one per usable core, at most 4); "
+        "ignored under torchrun/mpiexec",
+    )
+    run.add_argument(
+        "--backend",
+        default="auto",
+        help="comm backend: auto, gloo, mpi, nccl, hccl, cupy-nccl, or a plugin's",
+    )
+    run.add_argument(
+        "--deepspeed-config",
+        type=Path,
+        default=None,
+        metavar="DS.JSON",
+        help="a DeepSpeed config: ZeRO keys, batch, optimizer and scheduler",
+    )
     model = p.add_argument_group("model")
     model.add_argument("--layers", type=int, default=3)
     model.add_argument("--d-model", type=int, default=384)
@@ -59,22 +71,46 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--seq-len", type=int, default=128)
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=150)
-    train.add_argument("--batch", type=int, default=None, help="sequences per rank per micro-step [8]")
+    train.add_argument(
+        "--batch", type=int, default=None, help="sequences per rank per micro-step [8]"
+    )
     train.add_argument("--accumulation", type=int, default=None, help="micro-steps per step [1]")
     train.add_argument("--lr", type=float, default=None, help="peak learning rate [1e-3]")
-    train.add_argument("--warmup", type=int, default=10, help="linear warmup steps (cosine decay after)")
-    train.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype [fp32]")
+    train.add_argument(
+        "--warmup", type=int, default=10, help="linear warmup steps (cosine decay after)"
+    )
+    train.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype [fp32]"
+    )
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--max-reuse-distance", type=float, default=None,
-                       help="Zero3Config.max_reuse_distance (0: release every module on exit)")
-    train.add_argument("--param-persistence-threshold", type=float, default=None,
-                       help="Zero3Config.param_persistence_threshold (tensors this small stay whole)")
+    train.add_argument(
+        "--max-reuse-distance",
+        type=float,
+        default=None,
+        help="Zero3Config.max_reuse_distance (0: release every module on exit)",
+    )
+    train.add_argument(
+        "--param-persistence-threshold",
+        type=float,
+        default=None,
+        help="Zero3Config.param_persistence_threshold (tensors this small stay whole)",
+    )
     out = p.add_argument_group("output")
-    out.add_argument("--trace", type=Path, default=None, metavar="FILE.json",
-                     help="write a Chrome/Perfetto trace (one track per rank) of the last steps")
+    out.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help="write a Chrome/Perfetto trace (one track per rank) of the last steps",
+    )
     out.add_argument("--trace-steps", type=int, default=2, help="steps to trace")
-    out.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                     help="plot loss and step time per step")
+    out.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="plot loss and step time per step",
+    )
     out.add_argument("--samples", type=int, default=2, help="text samples printed at the end")
     out.add_argument("--sample-length", type=int, default=160)
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,7 +161,8 @@ def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
         _check(
             int(total) == batch * accumulation * world_size,
             f"DeepSpeed train_batch_size {total} != micro batch {batch} x accumulation "
-            f"{accumulation} x world size {world_size}; fix the config or pass --batch/--accumulation",
+            f"{accumulation} x world size {world_size}; fix the config or pass "
+            "--batch/--accumulation",
         )
     optimizer, kwargs = torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)}
     if "optimizer" in extras:
@@ -135,14 +172,23 @@ def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
     scheduler = extras.get("scheduler")
     if scheduler is not None and scheduler.get("type") not in SCHEDULERS:
         raise ValueError(
-            f"DeepSpeed scheduler {scheduler.get('type')!r} is not supported; use one of {SCHEDULERS}"
+            f"DeepSpeed scheduler {scheduler.get('type')!r} is not supported; "
+            f"use one of {SCHEDULERS}"
         )
-    dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(config.param_dtype, "fp32")  # type: ignore[arg-type]
-    for name, value in (("--steps", args.steps), ("--batch", batch), ("--accumulation", accumulation)):
+    dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        config.param_dtype, "fp32"
+    )  # type: ignore[arg-type]
+    for name, value in (
+        ("--steps", args.steps),
+        ("--batch", batch),
+        ("--accumulation", accumulation),
+    ):
         _check(value >= 1, f"{name} must be >= 1, got {value}")
     _check(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
     _check(kwargs.get("lr", 1.0) > 0, f"the learning rate must be > 0, got {kwargs.get('lr')}")
-    return Settings(config, args.steps, batch, accumulation, optimizer, kwargs, scheduler, dtype, args.seed)
+    return Settings(
+        config, args.steps, batch, accumulation, optimizer, kwargs, scheduler, dtype, args.seed
+    )
 
 
 def lr_lambda(settings: Settings, warmup: int) -> Any:
@@ -152,6 +198,7 @@ def lr_lambda(settings: Settings, warmup: int) -> Any:
     spec = settings.scheduler
     steps = settings.steps
     if spec is None:
+
         def default(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
@@ -172,8 +219,17 @@ def lr_lambda(settings: Settings, warmup: int) -> Any:
     if kind == "WarmupLR":
         return warm
     if kind == "WarmupDecayLR":
-        return lambda step: warm(step) if step < n_warm else high * max(0.0, (total - step) / max(1, total - n_warm))
+        return lambda step: (
+            warm(step)
+            if step < n_warm
+            else high * max(0.0, (total - step) / max(1, total - n_warm))
+        )
     ratio = float(params.get("cos_min_ratio", 1e-4))
-    return lambda step: warm(step) if step < n_warm else ratio + (1 - ratio) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (step - n_warm) / max(1, total - n_warm)))
+    return lambda step: (
+        warm(step)
+        if step < n_warm
+        else ratio
+        + (1 - ratio)
+        * 0.5
+        * (1 + math.cos(math.pi * min(1.0, (step - n_warm) / max(1, total - n_warm))))
     )

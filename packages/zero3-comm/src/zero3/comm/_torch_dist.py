@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -23,7 +24,7 @@ from zero3.comm._types import (
     CommTimeoutError,
     ReduceOp,
 )
-from zero3.comm._work import Work
+from zero3.comm._work import ThenWork, Work
 
 __all__ = ["GlooBackend", "TorchDistBackend", "TorchWork", "launcher_env_present"]
 
@@ -167,7 +168,11 @@ class TorchDistBackend(CommBackend):
             backend=self.dist_backend,
             use_local_synchronization=True,
         )
-        return type(self)(group=group, timeout_s=self.timeout_s)
+        return type(self)(group=group, timeout_s=self.timeout_s, **self._options())
+
+    def _options(self) -> dict[str, Any]:
+        """Constructor options a duplicate must repeat (subclasses extend it)."""
+        return {}
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -241,25 +246,130 @@ class TorchDistBackend(CommBackend):
         )
 
 
+class _AllOf:
+    """Several torch.distributed works waited on as one (the same interface)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 class GlooBackend(TorchDistBackend):
     """torch.distributed's gloo on CPU tensors.
 
     Collectives run on gloo's own thread, so an async all-gather overlaps with host
     compute. Reduces fp32, fp64, fp16, bf16 and integer tensors (SUM, AVG, MAX, MIN).
+
+    Args:
+        group: A process group (default: the default group, initialized if needed).
+        timeout_s: Collective timeout.
+        all_gather_via: ``"broadcast"`` (default): one broadcast per rank, straight into
+            the output; ``"native"``: gloo's all-gather.
+        reduce_scatter_via: ``"all_reduce"`` (default): all-reduce a copy of the input
+            and keep this rank's chunk (twice the bytes on the wire; core then reduces
+            gradients with its all-reduce path and counts them so); ``"native"``:
+            gloo's reduce-scatter.
+        **kwargs: ``init_method``, ``rank``, ``world_size`` as for
+            :class:`TorchDistBackend`.
+
+    Note:
+        Measured here (world 2, 135 MB, torch 2.13): gloo's all-gather took 0.19 s and
+        allocated a full-size temporary on every call (33,000 page faults); two
+        broadcasts moved the same bytes in 0.04-0.06 s with none. Its reduce-scatter
+        took 0.14-0.24 s with temporaries; all-reduce, in place, 0.10 s although it
+        moves twice the bytes. The defaults therefore avoid gloo's own all-gather and
+        reduce-scatter; the ``native`` options keep them for comparison.
     """
 
     name = "gloo"
     device_type = "cpu"
     dist_backend = "gloo"
     capabilities = Capabilities(
-        native_reduce_scatter=True,
+        native_reduce_scatter=False,
         reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
         needs_progress_helper=False,
         async_host=True,
     )
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        all_gather_via: str = "broadcast",
+        reduce_scatter_via: str = "all_reduce",
+        **kwargs: Any,
+    ) -> None:
+        if all_gather_via not in ("broadcast", "native"):
+            raise ValueError(
+                f"all_gather_via must be 'broadcast' or 'native', got {all_gather_via!r}"
+            )
+        if reduce_scatter_via not in ("all_reduce", "native"):
+            raise ValueError(
+                f"reduce_scatter_via must be 'all_reduce' or 'native', got {reduce_scatter_via!r}"
+            )
+        super().__init__(group, timeout_s=timeout_s, **kwargs)
+        self.all_gather_via = all_gather_via
+        self.reduce_scatter_via = reduce_scatter_via
+        self.capabilities = dataclasses.replace(
+            type(self).capabilities, native_reduce_scatter=reduce_scatter_via == "native"
+        )
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "all_gather_via": self.all_gather_via,
+            "reduce_scatter_via": self.reduce_scatter_via,
+        }
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         if not dist.is_available() or not dist.is_gloo_available():
             return "this torch build has no gloo support (torch.distributed.is_gloo_available())"
         return None
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, stream: Stream | None) -> Work:
+        if self.all_gather_via == "native":
+            return super()._all_gather(output, input, stream)
+        chunks = output.view(self.world_size, -1)
+        chunks[self.rank].copy_(input)
+
+        def launch() -> _AllOf:
+            return _AllOf(
+                [
+                    dist.broadcast(
+                        chunks[r],
+                        dist.get_global_rank(self.group, r),
+                        group=self.group,
+                        async_op=True,
+                    )
+                    for r in range(self.world_size)
+                ]
+            )
+
+        return self._issue("all_gather", (output, input), stream, launch)
+
+    def _reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, stream: Stream | None
+    ) -> Work:
+        if self.reduce_scatter_via == "native":
+            return super()._reduce_scatter(output, input, op, stream)
+        scratch = input.clone()
+        work = self._issue(
+            "reduce_scatter",
+            (output, input),
+            stream,
+            lambda: dist.all_reduce(scratch, op=_TORCH_OPS[op], group=self.group, async_op=True),
+        )
+        mine = scratch.view(self.world_size, -1)[self.rank]
+
+        def keep_mine() -> None:
+            output.copy_(mine)
+
+        return ThenWork(work, keep_mine)

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from zero3.core._params import ShardedParam
+from zero3.core._pool import BufferPool
 
 __all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "plan_buckets"]
 
@@ -99,9 +100,14 @@ class GradBucket:
         """Elements of one rank region, fingerprint included."""
         return self.region_numel + FINGERPRINT_SLOTS
 
-    def new_flat(self, device: torch.device) -> torch.Tensor:
+    def new_flat(self, device: torch.device, pool: BufferPool | None = None) -> torch.Tensor:
         """A zeroed rank-major buffer with this bucket's fingerprint in every region."""
-        flat = torch.zeros(self.world_size * self.stride, dtype=self.dtype, device=device)
+        numel = self.world_size * self.stride
+        if pool is None:
+            flat = torch.zeros(numel, dtype=self.dtype, device=device)
+        else:
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            flat = pool.take(numel * elem, device).view(self.dtype).zero_()
         tails = flat.view(self.world_size, self.stride)[:, self.region_numel :]
         tails.copy_(fingerprint_bits(self.index, self.dtype, device).expand_as(tails))
         return flat
@@ -119,11 +125,13 @@ class GradBucket:
         offset = self.offsets[position]
         return region[:, offset : offset + sp.shard_numel]
 
-    def write(self, position: int, grad: torch.Tensor, accumulate: bool) -> None:
+    def write(
+        self, position: int, grad: torch.Tensor, accumulate: bool, pool: BufferPool | None = None
+    ) -> None:
         """Copy (or add) a member's full gradient into its rank-major slot."""
         if self.flat is None:
             # Zeros: padding and members without a gradient must reduce as zeros.
-            self.flat = self.new_flat(grad.device)
+            self.flat = self.new_flat(grad.device, pool)
         sp = self.params[position]
         slot, flat_grad = self.slot(position), grad.reshape(-1)
         rows, rem = divmod(sp.numel, sp.shard_numel) if sp.shard_numel else (0, 0)

@@ -32,6 +32,7 @@ from zero3.comm import CommBackend
 from zero3.core._config import Zero3Config
 from zero3.core._gather import GatherHandle, GatherLayout
 from zero3.core._params import ParamStatus, ShardedParam, free_full
+from zero3.core._pool import BufferPool
 from zero3.core._stats import StatsBook
 from zero3.core._trace import Trace, TraceState
 from zero3.core._tracer import Tracer
@@ -56,6 +57,7 @@ class ParamCoordinator:
             ``named_modules()`` order (the same on every rank).
         direct: For each module (same order), the sharded parameters it owns directly.
         stats: Where the step counters go.
+        pool: Reusable gather buffers.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class ParamCoordinator:
         modules: Sequence[tuple[str, nn.Module]],
         direct: Sequence[Sequence[ShardedParam]],
         stats: StatsBook,
+        pool: BufferPool,
     ) -> None:
         self.comm = comm
         self.config = config
@@ -77,6 +80,7 @@ class ParamCoordinator:
         self._fetch_sets: dict[int, list[ShardedParam]] = {}
         self._layouts: dict[tuple[int, ...], GatherLayout] = {}
         self.stats = stats
+        self.pool = pool
         self.traces = {"train": Trace("train"), "infer": Trace("infer")}
         self.trace = self.traces["train"]
         self.step_open = False
@@ -326,7 +330,9 @@ class ParamCoordinator:
         if layout is None:
             layout = GatherLayout.build(params)
             self._layouts[key] = layout
-        handle = GatherHandle(self.comm, layout, index, self.describe, self.gather_stream)
+        handle = GatherHandle(
+            self.comm, layout, index, self.describe, self.gather_stream, self.pool
+        )
         if self.tracer is not None:
             handle.issued_us = self.tracer.now_us()
             handle.prefetch = prefetch
@@ -393,15 +399,22 @@ class ParamCoordinator:
         )
         trace = self.trace
         order = trace.param_order
-        # Scan from the next fetch on. Entries already whole are skipped, not consumed:
-        # they may be released before their use and need a prefetch then.
-        j = trace.first_entry_at[position + 1]
+        # Scan from the next fetch on, in trace order. An entry already whole is skipped
+        # when it is its parameter's next use; a *later* use of a parameter that is whole
+        # now may or may not find it released by then, so the scan stops there rather
+        # than reach past it for far-away entries that would sit in the in-flight slots.
+        start = trace.first_entry_at[position + 1]
+        j = start
         chosen: dict[int, ShardedParam] = {}
         total, first_position = 0, -1
         while j < len(order) and budget > 0:
             entry_position, sp = order[j]
             j += 1
-            if sp.status is not ParamStatus.NOT_AVAILABLE or sp.index in chosen:
+            if sp.index in chosen:
+                continue
+            if sp.status is not ParamStatus.NOT_AVAILABLE:
+                if trace.previous_use[j - 1] >= start:
+                    break
                 continue
             if total + sp.numel > budget:
                 break

@@ -31,6 +31,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from zero3.comm import CommBackend, Stream, Work
 from zero3.core._params import ParamStatus, ShardedParam
+from zero3.core._pool import BufferPool
 
 __all__ = ["FINGERPRINT_BYTES", "FingerprintMismatchError", "GatherHandle", "GatherLayout"]
 
@@ -91,6 +92,7 @@ class GatherHandle:
         module_index: Index of the module the fetch is for (goes into the fingerprint).
         describe: Maps a module index to its qualified name (for error messages).
         stream: Stream to issue the gather on.
+        pool: Where the send and receive buffers come from and go back to.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class GatherHandle:
         module_index: int,
         describe: Callable[[int], str],
         stream: Stream | None,
+        pool: BufferPool,
     ) -> None:
         self.layout = layout
         self.module_index = module_index
@@ -108,16 +111,16 @@ class GatherHandle:
         self._describe = describe
         self._world = comm.world_size
         device = layout.params[0].shard.device
-        send = torch.empty(layout.chunk_bytes, dtype=torch.uint8, device=device)
+        self._pool = pool
+        send = pool.take(layout.chunk_bytes, device)
+        self._send: torch.Tensor | None = send
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
             sp.status = ParamStatus.INFLIGHT
             sp.handle = self
         send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
-        self._recv: torch.Tensor | None = torch.empty(
-            layout.chunk_bytes * self._world, dtype=torch.uint8, device=device
-        )
+        self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
 
     def is_completed(self) -> bool:
@@ -140,7 +143,12 @@ class GatherHandle:
             _copy_out(sp, recv, offset)
             sp.status = ParamStatus.AVAILABLE
             sp.handle = None
-        self._recv, self._work = None, None
+        # On devices the buffers go back only after the consumer stream used them; on
+        # CPU the copies above have run, so they are free now.
+        if self._send is not None:
+            self._pool.give(self._send)
+        self._pool.give(self._recv)
+        self._recv, self._send, self._work = None, None, None
 
     def _check_fingerprints(self, recv: torch.Tensor) -> None:
         prints = recv[:, -FINGERPRINT_BYTES:].contiguous().view(torch.int32).cpu()

@@ -32,6 +32,7 @@ from zero3.core._buckets import FINGERPRINT_SLOTS, GradBucket, fingerprint_bits,
 from zero3.core._config import Zero3Config
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ShardedParam
+from zero3.core._pool import BufferPool
 from zero3.core._stats import StatsBook
 from zero3.core._tracer import Tracer
 
@@ -62,6 +63,7 @@ class GradReducer:
         params: Trainable sharded parameters in registration order.
         leaf_of: Parameter index → index of the leaf module that owns it.
         stats: Where counters go.
+        pool: Reusable bucket buffers.
     """
 
     def __init__(
@@ -71,10 +73,12 @@ class GradReducer:
         params: Sequence[ShardedParam],
         leaf_of: Mapping[int, int],
         stats: StatsBook,
+        pool: BufferPool,
     ) -> None:
         self.comm = comm
         self.config = config
         self.stats = stats
+        self.pool = pool
         self.params = list(params)
         self._position = {sp.index: k for k, sp in enumerate(self.params)}
         self.all_reduce_path = (
@@ -173,7 +177,7 @@ class GradReducer:
         repeat = sp.index in bucket.arrived
         bucket.arrived.add(sp.index)
         if self.config.contiguous_gradients:
-            bucket.write(k, grad, accumulate=repeat)
+            bucket.write(k, grad, accumulate=repeat, pool=self.pool)
         else:
             prior = bucket.grads.get(sp.index)
             cast = grad.to(bucket.dtype)
@@ -212,8 +216,8 @@ class GradReducer:
             for k, sp in enumerate(bucket.params):  # all-reduce needs the flat layout
                 grad = bucket.grads.get(sp.index)
                 if grad is not None:
-                    bucket.write(k, grad, accumulate=False)
-        flat = bucket.flat if bucket.flat is not None else bucket.new_flat(device)
+                    bucket.write(k, grad, accumulate=False, pool=self.pool)
+        flat = bucket.flat if bucket.flat is not None else bucket.new_flat(device, self.pool)
         bucket.flat, bucket.grads = None, {}
         self._reduce_flat(flat, region, bucket.index, bucket.payload_numel)
 
@@ -233,7 +237,8 @@ class GradReducer:
             def finish_all_reduce() -> None:
                 mine = flat.view(world, -1)[rank]
                 region[:size].add_(mine[:size]) if accumulate else region.copy_(mine)
-                self._fingerprints.append((key, mine[size:]))
+                self._fingerprints.append((key, mine[size:].clone()))
+                self.pool.give(flat)
 
             self._count(payload_numel, flat.numel(), flat.dtype, factor=2)
             self._track(work, finish_all_reduce, key)
@@ -245,6 +250,7 @@ class GradReducer:
             if accumulate:
                 region[:size].add_(target[:size])
             self._fingerprints.append((key, target[size:]))
+            self.pool.give(flat)
 
         self._count(payload_numel, flat.numel(), flat.dtype, factor=1)
         self._track(work, finish_reduce_scatter, key)

@@ -15,6 +15,7 @@ from zero3.core import _params
 from zero3.core._config import LeafTarget, Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._params import ParamStatus, ShardedParam
+from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
 from zero3.core._stats import StatsBook, StepStats
 from zero3.core._tracer import Tracer
@@ -79,6 +80,8 @@ class ShardedModelState:
         self.stats = StatsBook(comm.world_size)
         self.modules = list(module.named_modules())
         self.params: list[ShardedParam] = []
+        #: Indices of parameters a PartitionedOptimizer steps (each at most once).
+        self.optimized: set[int] = set()
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -121,14 +124,20 @@ class ShardedModelState:
             for sp in own:
                 sp.owners.append(mod_name or "<root>")
             direct.append(own)
+        # The largest buffers a step needs at once: a whole-model gather (its receive
+        # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
+        # bucket reuses them (best fit). See BufferPool.
+        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        limit = model_bytes + model_bytes // self.comm.world_size + (1 << 20)
+        self.pool = BufferPool(limit_bytes=limit)
         self.coordinator = ParamCoordinator(
-            self.comm, self.config, self.modules, direct, self.stats
+            self.comm, self.config, self.modules, direct, self.stats, self.pool
         )
         self._apply_leaves()
         self._apply_pending_externals()
         trainable = [sp for sp in self.params if sp.requires_grad]
         self.reducer = GradReducer(
-            self.grad_comm, self.config, trainable, self._leaf_of(), self.stats
+            self.grad_comm, self.config, trainable, self._leaf_of(), self.stats, self.pool
         )
         self.reducer.defer_launches = self.grad_comm is self.comm
 

@@ -38,22 +38,24 @@ class Trace:
         # Parameter order derived from the module order: (position, param) per use.
         self.param_order: list[tuple[int, ShardedParam]] = []
         self.first_entry_at: list[int] = []  # position -> index into param_order
+        self.previous_use: list[int] = []  # entry -> the same parameter's previous entry, or -1
         self._release_cache: dict[tuple[int, int], frozenset[int]] = {}
 
     def start_recording(self) -> None:
         """Begin recording a fresh order (called at the start of a step)."""
+        self._clear()
         self.state = TraceState.RECORD
-        self.modules = []
-        self.param_order = []
-        self.first_entry_at = []
-        self._release_cache.clear()
 
     def invalidate(self) -> None:
         """Forget the order; the next step records again."""
+        self._clear()
         self.state = TraceState.INVALID
+
+    def _clear(self) -> None:
         self.modules = []
         self.param_order = []
         self.first_entry_at = []
+        self.previous_use = []
         self._release_cache.clear()
 
     def record(self, module_index: int) -> None:
@@ -74,6 +76,11 @@ class Trace:
                 if not sp.persistent:
                     self.param_order.append((position, sp))
         self.first_entry_at.append(len(self.param_order))
+        last_seen: dict[int, int] = {}
+        self.previous_use = []
+        for j, (_, sp) in enumerate(self.param_order):
+            self.previous_use.append(last_seen.get(sp.index, -1))
+            last_seen[sp.index] = j
         self._release_cache.clear()
         self.state = TraceState.COMPLETE
 

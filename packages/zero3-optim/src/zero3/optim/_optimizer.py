@@ -46,8 +46,9 @@ class _SubGroup:
     group: int
     params: list[ShardedParam]
     offsets: list[int]
-    master: torch.Tensor  # flat fp32, this rank's real elements of each member
-    views: list[torch.Tensor]
+    master: torch.Tensor  # flat fp32: each member's padded shard, back to back
+    views: list[torch.Tensor]  # each member's real elements within ``master``
+    aliased: list[bool]  # the member's shard *is* its master region (fp32 parameters)
 
 
 def _normalize_groups(module: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -167,7 +168,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                         f"PartitionedOptimizer: a parameter of shape {tuple(p.shape)} in group "
                         f"{g_index} is not a parameter of this sharded module"
                     )
+                if sp.index in self._zstate.optimized:
+                    raise ValueError(
+                        f"PartitionedOptimizer: parameter {sp.name!r} is already stepped by "
+                        "another PartitionedOptimizer; give each parameter to one optimizer"
+                    )
                 members.append(sp)
+            self._zstate.optimized.update(sp.index for sp in members)
             chunk: list[ShardedParam] = []
             size = 0
             for sp in [*members, None]:
@@ -185,15 +192,20 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         offsets, cursor = [], 0
         for sp in members:
             offsets.append(cursor)
-            cursor += sp.local_numel
+            cursor += sp.shard_numel
         device = members[0].shard.device
         master = torch.empty(cursor, dtype=torch.float32, device=device)
-        views = []
+        views, aliased = [], []
         for sp, offset in zip(members, offsets, strict=True):
-            view = master[offset : offset + sp.local_numel]
-            view.copy_(sp.shard[: sp.local_numel])
-            views.append(view)
-        return _SubGroup(group, members, offsets, master, views)
+            region = master[offset : offset + sp.shard_numel]
+            region.copy_(sp.shard)
+            views.append(region[: sp.local_numel])
+            # An fp32 parameter's shard moves into its master region: one copy of the
+            # fp32 state instead of two, and nothing to write back after a step.
+            if sp.dtype == torch.float32:
+                sp.shard = region
+            aliased.append(sp.dtype == torch.float32)
+        return _SubGroup(group, members, offsets, master, views, aliased)
 
     def master_shard(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master shard (this rank's real elements) of a model parameter."""
@@ -348,8 +360,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def _write_back(self) -> None:
         refresh: list[ShardedParam] = []
         for sg in self._subgroups:
-            for sp, view in zip(sg.params, sg.views, strict=True):
-                sp.shard[: sp.local_numel].copy_(view)
+            for sp, view, aliased in zip(sg.params, sg.views, sg.aliased, strict=True):
+                if not aliased:
+                    sp.shard[: sp.local_numel].copy_(view)
                 if sp.persistent or sp.status is ParamStatus.AVAILABLE:
                     refresh.append(sp)
         if refresh:
@@ -361,7 +374,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         ordered = sorted(params, key=lambda sp: sp.index)
         layout = GatherLayout.build(ordered)
         coordinator = state.coordinator
-        handle = GatherHandle(state.comm, layout, GATHERED_PARAMETERS, coordinator.describe, None)
+        handle = GatherHandle(
+            state.comm, layout, GATHERED_PARAMETERS, coordinator.describe, None, state.pool
+        )
         handle.finish(state.comm.current_stream())
         stats = state.stats.current
         stats.refresh_gathers += 1

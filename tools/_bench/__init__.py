@@ -1,0 +1,1 @@
+"""Pieces of tools/bench.py: the workload and one worker per system."""

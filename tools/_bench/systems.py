@@ -1,0 +1,216 @@
+"""One benchmark run of one system, executed by every rank of a fresh process group."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from _bench.workload import Workload, batch, build
+
+StepFn = Callable[[int], float]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _adamw(params: Any, w: Workload) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=w.lr)
+
+
+def _plain(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
+    """One process, no distribution (the reference, or the world-1 baseline)."""
+    model = build(w)
+    opt = _adamw(model.parameters(), w)
+
+    def step(i: int) -> float:
+        x, y = batch(w, i, rank, world)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    return step, {"sharded": 0.0}
+
+
+def _ddp(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build(w))
+    opt = _adamw(model.parameters(), w)
+
+    def step(i: int) -> float:
+        x, y = batch(w, i, rank, world)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    psi = sum(p.numel() * 4 for p in model.parameters())
+    return step, {
+        "sharded": 0.0,
+        "payload": 2 * psi * (world - 1) / world,
+        "payload_kind": "theory",
+    }
+
+
+def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(w)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = _adamw(model.parameters(), w)
+
+    def step(i: int) -> float:
+        x, y = batch(w, i, rank, world)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    psi = sum(p.numel() * 4 for p in model.parameters())
+    # Root params reshard after forward too (reshard_after_forward=True): all-gather in
+    # forward and backward, reduce-scatter in backward.
+    return step, {
+        "sharded": 1.0,
+        "payload": 3 * psi * (world - 1) / world,
+        "payload_kind": "theory",
+    }
+
+
+def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, dict[str, Any]]:
+    from zero3.core import Zero3Config, sharded_state
+    from zero3.hooks import shard_module, stats
+    from zero3.optim import PartitionedOptimizer
+
+    model = build(w)
+    shard_module(model, Zero3Config(backend="gloo", **config))
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
+
+    def step(i: int) -> float:
+        x, y = batch(w, i, rank, world)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    state = sharded_state(model)
+    psi = sum(sp.numel for sp in state.params)
+    sharded = sum(sp.numel for sp in state.params if not sp.persistent) / psi
+
+    def info() -> dict[str, Any]:
+        s = stats(model)
+        return {
+            "sharded": sharded,
+            "payload": (s.gather_payload_bytes + s.reduce_payload_bytes) * (world - 1) / world,
+            "overhead": s.overhead_wire_bytes,
+            "payload_kind": "measured",
+            "gathers": s.gathers,
+            "reductions": s.reduce_collectives,
+            "hit_rate": s.prefetch_hit_rate,
+        }
+
+    return step, {"info": info}
+
+
+def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
+    import deepspeed
+
+    model = build(w)
+    config = {
+        "train_micro_batch_size_per_gpu": w.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # NOTES: DeepSpeed >= 0.19 clips at 1.0 otherwise
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=_adamw(model.parameters(), w), config=config
+    )
+
+    def step(i: int) -> float:
+        x, y = batch(w, i, rank, world)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    big = sum(p.ds_numel for p in model.parameters() if p.ds_numel > 100_000)
+    total = sum(p.ds_numel for p in model.parameters())
+    psi = total * 4
+    return step, {
+        "sharded": big / total,
+        "payload": 3 * psi * (world - 1) / world,
+        "payload_kind": "theory",
+    }
+
+
+SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]] = {
+    "reference": _plain,
+    "plain": _plain,
+    "ddp": _ddp,
+    "fsdp2": _fsdp2,
+    "zero3": _zero3,
+    "zero3-release": lambda w, r, n: _zero3(w, r, n, max_reuse_distance=0),
+    "deepspeed": _deepspeed,
+}
+
+
+def run(system: str, w: Workload, steps: int) -> dict[str, Any]:
+    """Run ``steps`` training steps of ``system`` on this rank; rank 0 returns the results."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if world > 1 or system.startswith("zero3"):
+        if system == "deepspeed":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    step_fn, info = SYSTEMS[system](w, rank, world)
+    times, losses = [], []
+    for i in range(steps):
+        start = time.perf_counter()
+        loss = step_fn(i)
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+    extra = info.pop("info")() if "info" in info else {}
+    result = {"times": times, "losses": losses, "rss": peak_rss_bytes(), **info, **extra}
+    if dist.is_initialized():
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, result)
+        dist.destroy_process_group()
+    else:
+        rows = [result]
+    merged = dict(rows[0])
+    merged["times"] = [max(r["times"][i] for r in rows) for i in range(steps)]  # slowest rank
+    merged["losses"] = [sum(r["losses"][i] for r in rows) / world for i in range(steps)]
+    merged["rss"] = [r["rss"] for r in rows]
+    return merged
+
+
+def main(system: str, w: Workload, steps: int) -> None:
+    """Worker entry: print rank 0's result as one JSON line."""
+    result = run(system, w, steps)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("BENCH_RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,183 @@
+"""Benchmark zero3 against one process, DDP, FSDP2 and DeepSpeed ZeRO-3 on one workload.
+
+    .venv/bin/python tools/bench.py                      # world 2, 3 interleaved rounds
+    .venv/bin/python tools/bench.py --world1             # zero3 vs plain PyTorch at world 1
+    .venv/bin/python tools/bench.py --layers 16 --systems ddp,zero3,zero3-release
+    .venv/bin/python tools/bench.py --world 4 --steps 2 --systems zero3,zero3-release  # bytes
+
+Every (system, round) runs in fresh processes (so peak RSS is that system's), with one
+thread per rank. Per round, each system's median step time of the slowest rank; the
+ratio against DDP is the median of the per-round ratios. Losses are compared with one
+process training on the same global batch. DeepSpeed runs when importable
+(``DS_BUILD_OPS=0 pip install deepspeed``; it runs on CPU with DS_ACCELERATOR=cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench.workload import Workload
+
+WORLD2 = ["ddp", "fsdp2", "zero3", "zero3-release", "deepspeed"]
+WORLD1 = ["plain", "zero3"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    system: str, world: int, args: argparse.Namespace, batch: int = 4, threads: int | None = None
+) -> dict[str, Any]:
+    """Run one system on ``world`` fresh processes; return rank 0's merged result."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=str(threads or args.threads),
+            DS_ACCELERATOR="cpu",
+            PYTHONUNBUFFERED="1",
+        )
+        cmd = [sys.executable, __file__, "--worker", system, "--layers", str(args.layers),
+               "--steps", str(args.steps + args.warmup), "--batch", str(batch)]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = [p.communicate(timeout=args.timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"{system} failed (exit {p.returncode}):\n{err[-3000:]}")
+    line = next(x for x in outs[0][0].splitlines() if x.startswith("BENCH_RESULT "))
+    result: dict[str, Any] = json.loads(line.removeprefix("BENCH_RESULT "))
+    result["timed"] = result["times"][args.warmup :]
+    return result
+
+
+def _row(
+    name: str, runs: list[dict[str, Any]], ddp: list[dict[str, Any]] | None, ref: list[float]
+) -> str:
+    medians = [statistics.median(r["timed"]) for r in runs]
+    ratio = "-"
+    if ddp is not None:
+        ratios = [m / statistics.median(d["timed"]) for m, d in zip(medians, ddp, strict=True)]
+        ratio = f"{statistics.median(ratios):.3f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    last = runs[-1]
+    rss = " / ".join(f"{b / 2**30:.2f}" for b in last["rss"])
+    payload = (
+        f"{last['payload'] / 2**20:.1f} MiB ({last['payload_kind']})" if "payload" in last else "-"
+    )
+    diff = (
+        max(abs(a - b) for a, b in zip(last["losses"], ref, strict=False)) if ref else float("nan")
+    )
+    rounds = ", ".join(f"{m:.2f}" for m in medians)
+    sharded = 100 * last.get("sharded", 0)
+    return f"| {name} | {rounds} | {ratio} | {rss} | {payload} | {sharded:.1f}% | {diff:.1e} |"
+
+
+def report(
+    results: dict[str, list[dict[str, Any]]], base: str, ref: list[float], title: str
+) -> str:
+    """A markdown table of the results."""
+    lines = [
+        f"### {title}",
+        "",
+        f"| system | median step time per round (s) | vs {base} (median of rounds; range) "
+        "| peak RSS per rank (GiB) | payload bytes/step per rank | elements sharded "
+        "| max loss diff vs 1 process |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        if runs and "skipped" in runs[0]:
+            lines.append(f"| {name} | SKIPPED: {runs[0]['skipped']} | | | | | |")
+            continue
+        lines.append(_row(name, runs, results.get(base) if name != base else None, ref))
+    for name, runs in results.items():
+        last = runs[-1] if runs else {}
+        if "gathers" in last:
+            lines.append(
+                f"\n{name}: {last['gathers']} gathers + {last['reductions']} reductions per step, "
+                f"prefetch hit rate {100 * last['hit_rate']:.0f}%, padding/fingerprint/flag "
+                f"bytes {last['overhead'] / 2**20:.2f} MiB"
+            )
+    return "\n".join(lines)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--systems", default=",".join(WORLD2), help="comma-separated systems")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument(
+        "--world1", action="store_true", help="compare zero3 with plain PyTorch at world 1"
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per run")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--timeout", type=float, default=1800)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        from _bench import systems
+
+        systems.main(args.worker, Workload(layers=args.layers, batch=args.batch), args.steps)
+        return
+    world = 1 if args.world1 else args.world
+    names = WORLD1 if args.world1 else args.systems.split(",")
+    base = "plain" if args.world1 else "ddp"
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"python {platform.python_version()}; world {world}, {args.layers} layers, "
+        f"{args.rounds} rounds x ({args.warmup} warmup + {args.steps} timed) steps",
+        flush=True,
+    )
+    # The reference: one process on the whole global batch (world x 4 sequences).
+    ref = launch("reference", 1, args, batch=4 * world, threads=os.cpu_count() or 1)["losses"]
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for round_index in range(args.rounds):
+        for name in names:
+            if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+                results[name] = [{"skipped": "deepspeed is not importable here"}]
+                continue
+            run = launch(name, world, args)
+            results[name].append(run)
+            print(
+                f"round {round_index + 1} {name}: median {statistics.median(run['timed']):.3f} s",
+                flush=True,
+            )
+    print()
+    print(report(results, base, ref, f"world {world}, {args.layers} layers"))
+
+
+if __name__ == "__main__":
+    main()
