@@ -461,3 +461,38 @@ def test_each_rank_holds_a_1_over_n_share_of_model_state(worker_pool, world_size
         assert result["live"] < 1.25 * share + 200_000, result
         assert result["live"] > 0.9 * share, result
         assert result["pool"] <= 4 * result["psi"] * (1 + 1 / world_size) + (1 << 20)
+
+
+def _state_dict_round_trip() -> bool:
+    from zero3.hooks import load_full_state_dict
+
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+
+    def run(model, opt, make, steps, seed):
+        for step in range(steps):
+            x = make(LOCAL * n, seed * 100 + step)
+            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, make = build("gpt_tied")
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    run(model, opt, make, 3, 0)
+    saved, weights = copy.deepcopy(opt.state_dict()), full_state_dict(model)
+    run(model, opt, make, 2, 1)
+    expected = full_state_dict(model)
+    fresh, _ = build("gpt_tied", seed=5)  # different init: everything comes from the files
+    shard_module(fresh, Zero3Config(param_persistence_threshold=0), comm=comm)
+    load_full_state_dict(fresh, weights)
+    fresh_opt = PartitionedOptimizer(fresh, torch.optim.AdamW, lr=1e-2)
+    fresh_opt.load_state_dict(saved)
+    run(fresh, fresh_opt, make, 2, 1)
+    got = full_state_dict(fresh)
+    return all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_optimizer_state_dict_round_trip_per_rank(worker_pool, world_size):
+    assert worker_pool(world_size).run(_state_dict_round_trip) == [True] * world_size

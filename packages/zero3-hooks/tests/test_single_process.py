@@ -1,0 +1,67 @@
+"""shard_module in one process (the loopback plugin backend: a world of one)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from zero3.comm import create_backend
+from zero3.core import Zero3Config, local_grad
+from zero3.hooks import ShardedModule, set_leaf_modules, shard_module, stats, unshard_module
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_world_of_one_matches_and_frees():
+    model = _model()
+    reference = copy.deepcopy(model)
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=create_backend("loopback"))
+    assert isinstance(model, ShardedModule) and type(model).__name__ == "Sequential"
+    x = torch.randn(3, 8)
+    out, ref = model(x), reference(x)
+    assert torch.allclose(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.untyped_storage().nbytes() == 0  # nothing whole after backward
+        assert torch.allclose(local_grad(p), q.grad.reshape(-1))
+    assert stats(model).gathers > 0
+    unshard_module(model)
+    assert not isinstance(model, ShardedModule)
+    assert torch.allclose(model(x), ref)
+
+
+def test_set_leaf_modules_errors_and_after_sharding():
+    model = _model()
+    with pytest.raises(ValueError, match="no submodule"):
+        set_leaf_modules(model, nn.Conv2d)
+    with pytest.raises(ValueError, match="at least one"):
+        set_leaf_modules(model)
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=create_backend("loopback"))
+    assert set_leaf_modules(model, "Sequential") == ["<root>"]  # after sharding, by name
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    s = stats(model)
+    assert s.forward_gathers == 1  # the whole subtree in one gather
+    with pytest.raises(ValueError, match="leaf_modules: no module"):
+        shard_module(
+            _model(), Zero3Config(leaf_modules=(nn.Conv2d,)), comm=create_backend("loopback")
+        )
+
+
+def test_module_zero_grad_ends_the_accumulation_window():
+    model = _model()
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=create_backend("loopback"))
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    first = local_grad(model[0].weight).clone()
+    model(x).sum().backward()  # accumulates: twice the gradient
+    assert torch.allclose(local_grad(model[0].weight), 2 * first)
+    model.zero_grad()  # what trainers call: ends the window
+    assert local_grad(model[0].weight) is None
+    model(x).sum().backward()
+    assert torch.allclose(local_grad(model[0].weight), first)
