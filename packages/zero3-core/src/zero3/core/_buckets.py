@@ -61,7 +61,7 @@ class GradBucket:
         params: Members, in layout order.
         offsets: Each member's offset (elements) inside one rank region.
         region_numel: Gradient elements of one rank region (``S``); the region is
-            followed by :data:`FINGERPRINT_SLOTS` fingerprint elements.
+            followed by :data:`~zero3.core._buckets.FINGERPRINT_SLOTS` fingerprint elements.
         partition_offset: Where the bucket's region lives in the partition buffer of
             its dtype.
         leaf: Index of the leaf module whose subtree owns the members, or None.
