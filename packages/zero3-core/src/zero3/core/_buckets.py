@@ -65,6 +65,11 @@ class GradBucket:
         partition_offset: Where the bucket's region lives in the partition buffer of
             its dtype.
         leaf: Index of the leaf module whose subtree owns the members, or None.
+        arrived: Indices of the members whose gradient arrived in this backward.
+        ready: Every member arrived (or the bucket is flushed); it may launch in turn.
+        launched: Its reduction has been issued in this backward.
+        flat: The rank-major buffer (contiguous path), allocated on first arrival.
+        grads: The members' gradients kept as tensors (discrete path).
     """
 
     index: int
