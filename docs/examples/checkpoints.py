@@ -48,8 +48,8 @@ def save(model, opt):
         if RANK == 0:
             print(f"model.state_dict(): {str(exc).split(',')[0]}")
     weights = full_state_dict(model, rank0_only=True)  # collective: every rank calls it
+    DIR.mkdir(parents=True, exist_ok=True)
     if RANK == 0:
-        DIR.mkdir(exist_ok=True)
         torch.save(weights, DIR / "model.pt")  # an ordinary, unsharded state dict
     torch.save(opt.state_dict(), DIR / f"optim-rank{RANK}-of-{WORLD}.pt")  # one per rank
     COMM.barrier().wait()  # the files are complete before anyone reads them
