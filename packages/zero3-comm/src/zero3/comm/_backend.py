@@ -14,7 +14,7 @@ from zero3.comm._work import ThenWork, Work
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CommBackend"]
 
-#: Default collective timeout. Short on purpose: a stuck peer should surface as an
+#: Default collective timeout in seconds. Short on purpose: a stuck peer should surface as an
 #: error naming the collective within minutes, not after torch's 30-minute default.
 DEFAULT_TIMEOUT_S = 300.0
 

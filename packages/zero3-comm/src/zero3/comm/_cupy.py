@@ -263,8 +263,8 @@ class CupyNCCLBackend(CommBackend):
     Tensors reach NCCL as DLPack views (``cupy.from_dlpack``): no copies. Every
     collective runs on the backend's own NCCL stream, which first waits for the issuing
     stream (``stream=``, default torch's current stream) through an event; a second
-    event recorded after the collective is what :class:`CupyWork` waits on. Nothing
-    synchronizes the host.
+    event recorded after the collective is what :class:`~zero3.comm._cupy.CupyWork`
+    waits on. Nothing synchronizes the host.
 
     The ranks agree on the communicator's unique id through, in this order: ``group``
     (or the initialized default torch.distributed group), an explicit ``store`` with

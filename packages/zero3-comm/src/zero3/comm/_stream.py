@@ -42,6 +42,7 @@ class Stream:
     Subclasses wrap a native stream; :meth:`for_device` returns the right one.
     """
 
+    #: The device type whose work the stream orders (``"cpu"`` for the host stream).
     device_type: str = "cpu"
 
     @staticmethod

@@ -106,6 +106,7 @@ class TorchDistBackend(CommBackend):
         default.
     """
 
+    #: The torch.distributed backend name (``"gloo"``, ``"nccl"``, ``"hccl"``).
     dist_backend: ClassVar[str] = ""
 
     def __init__(

@@ -25,9 +25,13 @@ class ReduceOp(enum.Enum):
     (MPI, for example) compute it as ``SUM`` followed by an in-place division.
     """
 
+    #: Elementwise sum over ranks.
     SUM = "sum"
+    #: Elementwise sum over ranks divided by the world size.
     AVG = "avg"
+    #: Elementwise maximum over ranks.
     MAX = "max"
+    #: Elementwise minimum over ranks.
     MIN = "min"
 
 

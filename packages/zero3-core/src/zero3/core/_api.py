@@ -44,7 +44,7 @@ def gathered_parameters(
 
     Example::
 
-        with gathered_parameters(model.lm_head.weight, modifier_rank=0):
+        with gathered_parameters(model.lm_head.weight, modifier_rank=0), torch.no_grad():
             if rank == 0:
                 model.lm_head.weight.mul_(0.5)
     """

@@ -62,10 +62,15 @@ class GradBucket:
         params: Members, in layout order.
         offsets: Each member's offset (elements) inside one rank region.
         region_numel: Gradient elements of one rank region (``S``); the region is
-            followed by :data:`FINGERPRINT_SLOTS` fingerprint elements.
+            followed by :data:`~zero3.core._buckets.FINGERPRINT_SLOTS` fingerprint elements.
         partition_offset: Where the bucket's region lives in the partition buffer of
             its dtype.
         leaf: Index of the leaf module whose subtree owns the members, or None.
+        arrived: Indices of the members whose gradient arrived in this backward.
+        ready: Every member arrived (or the bucket is flushed); it may launch in turn.
+        launched: Its reduction has been issued in this backward.
+        flat: The rank-major buffer (contiguous path), allocated on first arrival.
+        grads: The members' gradients kept as tensors (discrete path).
     """
 
     index: int

@@ -42,8 +42,11 @@ __all__ = [
 class ParamStatus(enum.Enum):
     """Whether a parameter's full data is present on this rank."""
 
+    #: Only this rank's shard is present; the parameter's storage is freed.
     NOT_AVAILABLE = "not_available"
+    #: A gather of the full data is in flight.
     INFLIGHT = "inflight"
+    #: The full data is present (gathered, or a persistent parameter).
     AVAILABLE = "available"
 
 

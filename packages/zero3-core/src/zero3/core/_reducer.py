@@ -84,7 +84,7 @@ class GradReducer:
         self.all_reduce_path = (
             config.grad_reduce_op == "all_reduce" or not comm.capabilities.native_reduce_scatter
         )
-        #: Private switch: False forms buckets by arrival order (DeepSpeed's way), which
+        #: Private switch. False forms buckets by arrival order (DeepSpeed's way), which
         #: desynchronizes ranks under data-dependent routing. Tests use it to show that.
         self.fixed_buckets = True
         #: Set when gradients share the parameter backend (it cannot duplicate itself):

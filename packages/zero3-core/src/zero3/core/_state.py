@@ -222,7 +222,7 @@ class ShardedModelState:
 
     @property
     def tracer(self) -> Tracer | None:
-        """The trace-event recorder (None: tracing off). Set it to start tracing."""
+        """The trace-event recorder, or None while tracing is off. Set it to start tracing."""
         return self.coordinator.tracer
 
     @tracer.setter

@@ -118,6 +118,12 @@ class StatsBook:
     The coordinator rotates it when a step begins; the gradient reducer and the
     optimizer add to :attr:`current`, so after ``opt.step()`` the current counters
     describe the whole step just taken.
+
+    Attributes:
+        world_size: Ranks in the group (copied into every :class:`StepStats`).
+        current: Counters of the step in progress (or just finished).
+        last: Counters of the step before :attr:`current`.
+        total_invalidations: Trace invalidations since the model was sharded.
     """
 
     def __init__(self, world_size: int) -> None:

@@ -23,8 +23,12 @@ __all__ = ["Trace", "TraceState"]
 class TraceState(enum.Enum):
     """Lifecycle of a trace: INVALID → RECORD → COMPLETE (→ INVALID on a mismatch)."""
 
+    #: No usable order; the next step records one.
     INVALID = "invalid"
+    #: The step in progress records its fetch order.
     RECORD = "record"
+    #: The order is known. Fetches are checked against it; prefetching and the reuse
+    #: window follow it.
     COMPLETE = "complete"
 
 

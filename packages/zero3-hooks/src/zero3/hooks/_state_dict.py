@@ -106,7 +106,9 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
 class LoadResult(NamedTuple):
     """Keys :func:`load_full_state_dict` could not match."""
 
+    #: Keys of the model that the state dict lacks.
     missing_keys: list[str]
+    #: Keys of the state dict that the model lacks.
     unexpected_keys: list[str]
 
 

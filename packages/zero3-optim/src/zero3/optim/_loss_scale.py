@@ -20,6 +20,12 @@ class LossScaler:
     Attributes:
         scale: The current scale.
         dynamic: Whether the scale adapts.
+        window: Steps without overflow before a dynamic scale doubles.
+        hysteresis: Overflows tolerated before a dynamic scale halves.
+        min_scale: The dynamic scale never drops below this.
+        good_steps: Steps without overflow since the last overflow or doubling.
+        overflows: Overflows counted towards ``hysteresis`` since the last halving.
+        skipped_steps: Steps skipped because of an overflow, in total.
     """
 
     scale: float

@@ -93,6 +93,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     ``param_groups[i]["lr"]`` takes effect. Its parameters are master shards, not the
     model's parameters.
 
+    Attributes:
+        module: The sharded module whose parameters this optimizer steps.
+        optimizer: The wrapped optimizer, built over the master shards.
+        flat: Whether the wrapped optimizer gets one tensor per sub-group.
+        scaler: The fp16 :class:`~zero3.optim.LossScaler` (unused without fp16 parameters).
+        fp16: Whether any optimized parameter is fp16 (loss scaling is active).
+        last_grad_norm: The global gradient norm measured by the last clipping, or None.
+
     Note:
         A sharded model's ``param.grad`` is always None: gradients live in per-rank
         shards. ``torch.nn.utils.clip_grad_norm_(model.parameters())`` therefore sees
