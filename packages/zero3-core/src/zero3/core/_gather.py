@@ -140,9 +140,9 @@ class GatherHandle:
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
         self._check_fingerprints(recv)
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
-            _copy_out(sp, recv, offset)
-            sp.status = ParamStatus.AVAILABLE
+            sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
             sp.handle = None
+            _copy_out(sp, recv, offset)
         # On devices the buffers go back only after the consumer stream used them; on
         # CPU the copies above have run, so they are free now.
         if self._send is not None:

@@ -11,18 +11,28 @@ Note (releasing memory for real):
     not a user mutation, and without preserving the counter backward would refuse the
     saved tensor ("modified by an inplace operation"). The parameter objects never
     change, so tied weights stay tied and optimizers, hooks and ``named_parameters``
-    see the same objects. A released parameter keeps its shape but has no bytes, so
-    reading it outside a gather fails loudly instead of returning stale data.
+    see the same objects.
+
+Note (reading a released parameter):
+    A released parameter keeps its shape but has no bytes. Many torch kernels read
+    such a tensor without checking its storage (``p.sum()`` crashes the process), so
+    while released a parameter wears a subclass of its own class whose
+    ``__torch_function__`` lets metadata through (shape, dtype, device, grad,
+    requires_grad...) and turns every other op into a clear error that names the
+    parameter and says how to gather it. The class goes back the moment the
+    parameter is gathered, so forward and backward pay nothing for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -31,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ParamStatus",
+    "ReleasedParameter",
     "ShardedParam",
     "free_full",
     "local_shard",
@@ -67,7 +78,6 @@ class ShardedParam:
         persistent: Stays whole on every rank (small parameters).
         rank: This process's rank in the sharding group.
         world_size: Ranks in the sharding group.
-        status: Whether the full data is present.
         holds: Modules currently running (forward or backward) that use this parameter;
             it is never released while held.
         pinned: Open ``gathered_parameters`` blocks holding it; it stays whole across
@@ -86,11 +96,26 @@ class ShardedParam:
     persistent: bool
     rank: int
     world_size: int
-    status: ParamStatus = ParamStatus.AVAILABLE
+    _status: ParamStatus = dataclasses.field(default=ParamStatus.AVAILABLE, repr=False)
     holds: int = 0
     pinned: int = 0
     owners: list[str] = dataclasses.field(default_factory=list)
     handle: GatherHandle | None = None
+
+    @property
+    def status(self) -> ParamStatus:
+        """Whether the full data is present (setting it dresses the parameter to match)."""
+        return self._status
+
+    @status.setter
+    def status(self, value: ParamStatus) -> None:
+        self._status = value
+        cls = type(self.param)
+        released = issubclass(cls, ReleasedParameter)
+        if value is ParamStatus.AVAILABLE and released:
+            self.param.__class__ = _ORIGINAL_CLASSES[cls]
+        elif value is not ParamStatus.AVAILABLE and not released:
+            self.param.__class__ = _released_class(cls)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,6 +152,86 @@ class ShardedParam:
             f"ShardedParam({self.name!r}, shape={tuple(self.shape)}, {self.status.name}, "
             f"persistent={self.persistent})"
         )
+
+
+_T: Any = torch.Tensor  # typed Any: the stubs give properties as values, not descriptors
+#: What a released parameter still answers: metadata that needs no data.
+_METADATA: frozenset[Callable[..., Any]] = frozenset(
+    {
+        _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.layout.__get__,
+        _T.requires_grad.__get__, _T.requires_grad.__set__, _T.is_leaf.__get__,
+        _T.grad.__get__, _T.grad.__set__, _T.grad_fn.__get__, _T.ndim.__get__,
+        _T.is_cuda.__get__, _T.is_cpu.__get__, _T.is_meta.__get__, _T.is_sparse.__get__,
+        _T.is_quantized.__get__, _T.itemsize.__get__, _T.nbytes.__get__,
+        _T.size, _T.dim, _T.ndimension, _T.numel, _T.nelement, _T.element_size,
+        _T.stride, _T.storage_offset, _T.is_contiguous, _T.untyped_storage, _T.data_ptr,
+        _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook,
+        _T.get_device, _T.is_floating_point, _T.is_complex, _T.__len__, _T.__hash__,
+        _T._is_view,
+    }
+)  # fmt: skip
+_TEXT = frozenset({_T.__repr__, _T.__str__, _T.__format__})
+
+
+def _first_released(args: Iterable[Any]) -> torch.Tensor | None:
+    for arg in args:
+        if isinstance(arg, ReleasedParameter):
+            return arg
+        if isinstance(arg, list | tuple):
+            found = _first_released(arg)
+            if found is not None:
+                return found
+    return None
+
+
+class ReleasedParameter(nn.Parameter):
+    """What a sharded parameter is while its data is not on this rank (see the Note).
+
+    Metadata works; any op that would read the data raises a ``RuntimeError`` naming
+    the parameter instead of reading freed memory.
+    """
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in _METADATA:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        param = _first_released(args)
+        sp = lookup(param) if param is not None else None
+        name = sp.name if sp is not None else "?"
+        if func in _TEXT:
+            shape = tuple(sp.shape) if sp is not None else "?"
+            return f"<zero3 partitioned parameter {name!r} shape={shape}, not gathered>"
+        what = getattr(func, "__name__", repr(func))
+        if what in ("__get__", "__set__"):  # a property: name the attribute
+            what = getattr(getattr(func, "__self__", None), "__name__", what)
+        raise RuntimeError(
+            f"zero3: parameter {name!r} is partitioned across ranks and not gathered here, "
+            f"so `{what}` cannot read it. zero3 gathers parameters inside the sharded "
+            "module's forward and backward; elsewhere wrap the access in "
+            "`with zero3.core.gathered_parameters([param]):` (every rank must enter it), "
+            "and use zero3.hooks.full_state_dict(model) for state dicts."
+        )
+
+
+_RELEASED_CLASSES: dict[type, type] = {}
+_ORIGINAL_CLASSES: dict[type, type] = {}
+
+
+def _released_class(cls: type) -> type:
+    """``ReleasedParameter`` mixed into a parameter's own class (cached)."""
+    released = _RELEASED_CLASSES.get(cls)
+    if released is None:
+        released = type(f"Released{cls.__name__}", (ReleasedParameter, cls), {})
+        _RELEASED_CLASSES[cls] = released
+        _ORIGINAL_CLASSES[released] = cls
+    return released
 
 
 # param -> ShardedParam for every sharded parameter in this process, keyed by identity

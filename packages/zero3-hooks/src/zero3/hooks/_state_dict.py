@@ -22,24 +22,29 @@ def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
                 yield name, param
 
 
-def _save_guard(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
+def _refuse_unavailable(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """state_dict pre-hook: a partitioned parameter has no data to save here."""
     for name, param in _sharded_items(module):
-        key = prefix + name
-        if key not in state_dict:
-            continue
         sp = lookup(param)
         if sp is None or sp.status is not ParamStatus.AVAILABLE:
             raise RuntimeError(
-                f"state_dict() of a sharded module: parameter {key!r} is partitioned across "
-                "ranks and not gathered here, so its entry would hold no data. Use "
+                f"state_dict() of a sharded module: parameter {prefix + name!r} is partitioned "
+                "across ranks and not gathered here, so its entry would hold no data. Use "
                 "zero3.hooks.full_state_dict(model, rank0_only=False) (every rank calls it; "
                 "it gathers module by module)."
             )
-        # Gathered only for now (e.g. inside gathered_parameters): hand out a copy, since
-        # the storage is freed when the parameter is released.
-        state_dict[key] = state_dict[key].detach().clone()
+
+
+def _copy_gathered(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """state_dict post-hook: gathered only for now (e.g. inside gathered_parameters), so
+    hand out copies; the storages are freed when the parameters are released.
+    """
+    for name, _ in _sharded_items(module):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = state_dict[key].detach().clone()
 
 
 def _load_guard(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
@@ -57,7 +62,8 @@ def install_state_dict_guards(state: ShardedModelState) -> list[Any]:
     handles = []
     for _, module in state.modules:
         if any(True for _ in _sharded_items(module)):
-            handles.append(module.register_state_dict_post_hook(_save_guard))
+            handles.append(module.register_state_dict_pre_hook(_refuse_unavailable))
+            handles.append(module.register_state_dict_post_hook(_copy_gathered))
             handles.append(module.register_load_state_dict_pre_hook(_load_guard))
     return handles
 
