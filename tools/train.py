@@ -101,6 +101,7 @@ def train(args: object) -> int:
         torch.set_num_threads(threads)
     comm = create_backend(args.backend, timeout_s=300)
     settings = settings_from(args, comm.world_size)  # type: ignore[arg-type]
+    comm.timeout_s = settings.config.timeout_s  # the config's timeout bounds every wait
     rank, world = comm.rank, comm.world_size
     corpus = CharCorpus()
     shape = GPTConfig(corpus.vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]

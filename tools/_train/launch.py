@@ -33,19 +33,34 @@ def launched_by_mpi() -> bool:
 
 
 def bootstrap_torch_env_from_mpi() -> None:
-    """Under mpiexec with a torch.distributed backend: agree on a rendezvous through MPI."""
+    """Under mpiexec with a torch.distributed backend: agree on a rendezvous through MPI.
+
+    Rank 0 picks a free port and announces its address; every rank learns its rank on
+    its own node from a shared-memory split of the world, so multi-node runs work too.
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    port = _free_port() if comm.Get_rank() == 0 else None
-    port = comm.bcast(port, root=0)
+    if comm.Get_rank() == 0:
+        host = socket.gethostname()
+        try:
+            address = socket.gethostbyname(host)
+        except OSError:
+            address = "127.0.0.1"
+        announced: tuple[str, int] | None = (address, _free_port())
+    else:
+        announced = None
+    address, port = comm.bcast(announced, root=0)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     os.environ.update(
         RANK=str(comm.Get_rank()),
         WORLD_SIZE=str(comm.Get_size()),
-        LOCAL_RANK=str(comm.Get_rank()),
-        MASTER_ADDR="127.0.0.1",
+        LOCAL_RANK=str(node.Get_rank()),
+        LOCAL_WORLD_SIZE=str(node.Get_size()),
+        MASTER_ADDR=address,
         MASTER_PORT=str(port),
     )
+    node.Free()
 
 
 def _free_port() -> int:

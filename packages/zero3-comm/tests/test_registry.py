@@ -143,3 +143,42 @@ def test_host_stream_is_a_no_op_and_comparable():
     with s.use():
         pass
     assert s == comm.HostStream()
+
+
+def test_a_broken_plugin_does_not_take_the_builtins_down(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.entry_points
+
+    def with_broken(*args, **kwargs):
+        eps = list(real(*args, **kwargs))
+        if kwargs.get("group") == "zero3.comm":
+            eps.append(
+                importlib.metadata.EntryPoint(
+                    name="broken", value="zero3_no_such_module_xyz", group="zero3.comm"
+                )
+            )
+        return eps
+
+    monkeypatch.setattr(_registry.importlib.metadata, "entry_points", with_broken)
+    with pytest.warns(UserWarning, match="plugin 'broken'.*failed to load"):
+        names = comm.registered_backends()
+    assert "gloo" in names and "loopback" in names
+    with pytest.raises(comm.UnknownBackendError, match="plugin 'broken' failed to load"):
+        comm.create_backend("broken")
+
+
+def test_gloo_refuses_a_partial_launch_environment(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(ValueError, match=r"started by mpiexec.*'mpi' backend"):
+        comm.GlooBackend(timeout_s=5)
+    monkeypatch.delenv("PMI_SIZE")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="rendezvous environment is incomplete"):
+        comm.GlooBackend(timeout_s=5)

@@ -9,8 +9,10 @@ Note:
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import threading
+import warnings
 from typing import Any
 
 import pluggy
@@ -46,6 +48,8 @@ class BackendRegistry:
 
     def __init__(self) -> None:
         self._classes: dict[str, type[CommBackend]] = {}
+        #: Plugins (entry-point name -> error) that failed to load.
+        self.broken: dict[str, str] = {}
 
     def register(
         self, name: str, backend_cls: type[CommBackend], *, override: bool = False
@@ -87,9 +91,10 @@ class BackendRegistry:
             return self._classes[name]
         except KeyError:
             known = ", ".join(sorted(self._classes)) or "(none)"
+            broken = "".join(f"; plugin {k!r} failed to load: {v}" for k, v in self.broken.items())
             raise UnknownBackendError(
                 f"unknown comm backend {name!r}; registered backends: {known}. "
-                "Plugins register more through the 'zero3.comm' entry-point group."
+                f"Plugins register more through the 'zero3.comm' entry-point group{broken}"
             ) from None
 
     def names(self) -> list[str]:
@@ -121,17 +126,34 @@ def _load() -> tuple[pluggy.PluginManager, BackendRegistry]:
             manager = pluggy.PluginManager(PROJECT)
             manager.add_hookspecs(_Specs)
             manager.register(_builtin, name="zero3.comm.builtin")
-            try:
-                manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-            except Exception as exc:  # a broken plugin must say which one
-                raise RuntimeError(
-                    f"loading a zero3.comm plugin from the {ENTRY_POINT_GROUP!r} entry-point "
-                    f"group failed: {exc!r}"
-                ) from exc
             registry = BackendRegistry()
+            registry.broken = _load_plugins(manager)
             manager.hook.zero3_comm_register_backends(registry=registry)
             _State.manager, _State.registry = manager, registry
         return _State.manager, _State.registry
+
+
+def _load_plugins(manager: pluggy.PluginManager) -> dict[str, str]:
+    """Register each entry-point plugin; one that fails to import is reported, not fatal.
+
+    pluggy's ``load_setuptools_entrypoints`` stops at the first broken plugin, which would
+    take the built-in backends down with it; here each plugin stands alone.
+    """
+    broken: dict[str, str] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if manager.get_plugin(ep.name) is not None or manager.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+            manager.register(plugin, name=ep.name)
+        except Exception as exc:
+            broken[ep.name] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"zero3.comm: the plugin {ep.name!r} ({ep.value}) failed to load and is "
+                f"skipped: {broken[ep.name]}",
+                stacklevel=3,
+            )
+    return broken
 
 
 def _reset_registry() -> None:

@@ -53,6 +53,29 @@ def launcher_env_present() -> bool:
     return all(v in os.environ for v in _LAUNCH_VARS)
 
 
+_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def _refuse_partial_launch(backend: str) -> None:
+    """A launcher ran this process, but not with torch's rendezvous variables: a world of
+    one here would silently train N separate models, so say what is missing instead.
+    """
+    missing = [v for v in _LAUNCH_VARS if v not in os.environ]
+    if any(v in os.environ for v in _LAUNCH_VARS):
+        raise ValueError(
+            f"zero3.comm {backend}: the rendezvous environment is incomplete (missing "
+            f"{', '.join(missing)}); torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    if any(v in os.environ for v in _MPI_LAUNCH_VARS):
+        raise ValueError(
+            f"zero3.comm {backend}: this process was started by mpiexec but "
+            f"{', '.join(missing)} are not set, so the ranks cannot meet over "
+            "torch.distributed. Use the 'mpi' backend (zero3.comm.create_backend('mpi')), or "
+            "export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE from MPI first "
+            "(tools/train.py --backend gloo under mpiexec does this)"
+        )
+
+
 class TorchWork(Work):
     """A torch.distributed ``Work`` with a bounded host wait and errors naming the collective."""
 
@@ -99,11 +122,13 @@ class TorchDistBackend(CommBackend):
     destroyed by :meth:`close`.
 
     Note:
-        Every collective is issued with ``async_op=True`` and waited on with the
+        Every collective is issued with ``async_op=True``. On CPU the host waits with the
         backend's timeout, so a peer that never joins raises
         :class:`~zero3.comm.CommTimeoutError` naming the collective after ``timeout_s``
         seconds, even on a process group created elsewhere with torch's 30-minute
-        default.
+        default. On CUDA and NPU ``wait`` only orders streams (no host wait to bound):
+        there the process group's own timeout (the NCCL/HCCL watchdog) applies, which
+        is ``timeout_s`` when this class creates the group.
     """
 
     #: The torch.distributed backend name (``"gloo"``, ``"nccl"``, ``"hccl"``).
@@ -147,6 +172,7 @@ class TorchDistBackend(CommBackend):
         elif launcher_env_present():
             kwargs.update(init_method="env://")
         else:
+            _refuse_partial_launch(self.name)
             # No launcher: a world of one, so `python train.py` works unsharded-but-sane.
             fd, self._tmp_store = tempfile.mkstemp(prefix="zero3-store-")
             os.close(fd)

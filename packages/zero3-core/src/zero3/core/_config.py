@@ -81,7 +81,9 @@ class Zero3Config:
         loss_scale_window: Successful steps before the dynamic scale doubles.
         hysteresis: Overflows tolerated before the dynamic scale halves.
         min_loss_scale: The dynamic scale never drops below this.
-        timeout_s: Timeout of every collective (a stuck peer raises after this long).
+        timeout_s: Timeout of every collective (a stuck peer raises after this long) of
+            the backend zero3 creates from :attr:`backend`; a backend passed to
+            ``shard_module(comm=...)`` keeps its own ``timeout_s``.
         sync_module_states: Broadcast rank 0's parameters and buffers when sharding,
             so ranks that initialized differently still train one model (as DDP does).
         extras: Read-only mapping of settings zero3 does not use itself (batch sizes,

@@ -120,6 +120,8 @@ class GatherHandle:
             sp.status = ParamStatus.INFLIGHT
             sp.handle = self
         send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
+        if stream is not None:
+            stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
 

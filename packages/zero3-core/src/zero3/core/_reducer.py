@@ -93,6 +93,9 @@ class GradReducer:
         self._in_epilogue = False
         self.micro_step = 0
         self._inflight: collections.deque[_Inflight] = collections.deque()
+        # Reductions run on their own stream (§3.3) so backward compute goes on; on CPU
+        # streams are no-ops and gloo's thread provides the overlap.
+        self.reduce_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
         self.tracer: Tracer | None = None
         self._partitions: dict[torch.dtype, torch.Tensor] = {}
         self.replan(leaf_of)
@@ -232,7 +235,8 @@ class GradReducer:
         rank, world = self.comm.rank, self.comm.world_size
         size = region.numel() - FINGERPRINT_SLOTS
         if self.all_reduce_path:
-            work = self.comm.all_reduce(flat, op=ReduceOp.AVG)
+            self.reduce_stream.wait_stream(self.comm.current_stream())
+            work = self.comm.all_reduce(flat, op=ReduceOp.AVG, stream=self.reduce_stream)
 
             def finish_all_reduce() -> None:
                 mine = flat.view(world, -1)[rank]
@@ -244,7 +248,8 @@ class GradReducer:
             self._track(work, finish_all_reduce, key)
             return
         target = torch.empty_like(region) if accumulate else region
-        work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG)
+        self.reduce_stream.wait_stream(self.comm.current_stream())
+        work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG, stream=self.reduce_stream)
 
         def finish_reduce_scatter() -> None:
             if accumulate:
@@ -269,7 +274,10 @@ class GradReducer:
         bits = fingerprint_bits(bucket.index, bucket.dtype, region.device)
         inputs.append(bits.repeat(bucket.world_size))
         bucket.grads = {}
-        work = self.comm.reduce_scatter_coalesced(outputs, inputs, op=ReduceOp.AVG)
+        self.reduce_stream.wait_stream(self.comm.current_stream())
+        work = self.comm.reduce_scatter_coalesced(
+            outputs, inputs, op=ReduceOp.AVG, stream=self.reduce_stream
+        )
 
         def finish() -> None:
             if accumulate:

@@ -320,8 +320,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             clip = self._zstate.config.gradient_clipping
             if clip is not None:
                 self.clip_grad_norm_(clip)
-            for sg in self._subgroups:
-                self._step_subgroup(sg)
+            self._step_all()
             self._write_back()
             if self.fp16:
                 self.scaler.update(overflow=False)
@@ -331,33 +330,63 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 tracer.complete("optimizer.step", "optimizer", start, tracer.now_us())
         return loss
 
-    def _step_subgroup(self, sg: _SubGroup) -> None:
+    def _step_all(self) -> None:
+        """Give the master shards their fp32 gradients and step, in batches.
+
+        Sub-groups are batched while their elements fit in ``sub_group_size``, so with
+        the default the wrapped optimizer steps once; a smaller ``sub_group_size`` bounds
+        the fp32 gradient memory of one batch and the optimizer steps once per batch
+        (the other batches' tensors have grad None then, so it skips them; seed §8).
+        """
+        limit = self._zstate.config.sub_group_size
+        batch: list[_SubGroup] = []
+        size = 0
+        for sg in self._subgroups:
+            if batch and size + sg.master.numel() > limit:
+                self._step_batch(batch)
+                batch, size = [], 0
+            batch.append(sg)
+            size += sg.master.numel()
+        if batch:
+            self._step_batch(batch)
+
+    def _step_batch(self, batch: list[_SubGroup]) -> None:
+        scratch_offset = 0
+        stepped = False
+        for sg in batch:
+            used = self._set_grads(sg, scratch_offset)
+            stepped = stepped or used > 0
+            scratch_offset += used if self.flat else 0
+        if stepped:
+            self.optimizer.step()
+        for sg in batch:
+            for view in [sg.master, *sg.views]:
+                view.grad = None
+
+    def _set_grads(self, sg: _SubGroup, scratch_offset: int) -> int:
+        """Attach fp32 gradients to a sub-group's tensors; return the elements given."""
         reducer = self._zstate.reducer
         grads = [reducer.grad_shard(sp) for sp in sg.params]
         if all(g is None for g in grads):
-            if self.flat:
-                sg.master.grad = None
-            return
+            return 0
         if self.flat:
-            scratch = self._scratch(sg.master.numel())
+            scratch = self._scratch(scratch_offset + sg.master.numel())[scratch_offset:]
             scratch.zero_()
             for sp, offset, grad in zip(sg.params, sg.offsets, grads, strict=True):
                 if grad is not None:
                     scratch[offset : offset + sp.local_numel].copy_(grad[: sp.local_numel])
             sg.master.grad = scratch
-        else:
-            for sp, view, grad in zip(sg.params, sg.views, grads, strict=True):
-                if grad is None:
-                    view.grad = None
-                elif grad.dtype == torch.float32:
-                    view.grad = grad[: sp.local_numel]  # no copy: already fp32
-                else:
-                    view.grad = grad[: sp.local_numel].float()
-        # With several sub-groups the wrapped optimizer steps once per sub-group; the
-        # other sub-groups' tensors have grad None then, so it skips them (seed §8).
-        self.optimizer.step()
-        for view in [sg.master, *sg.views]:
-            view.grad = None
+            return sg.master.numel()
+        given = 0
+        for sp, view, grad in zip(sg.params, sg.views, grads, strict=True):
+            if grad is None:
+                view.grad = None
+            elif grad.dtype == torch.float32:
+                view.grad = grad[: sp.local_numel]  # no copy: already fp32
+            else:
+                view.grad = grad[: sp.local_numel].float()  # the only conversion to fp32
+            given += 0 if grad is None else max(1, sp.local_numel)
+        return given
 
     def _scratch(self, numel: int) -> torch.Tensor:
         if self._fp32_scratch is None or self._fp32_scratch.numel() < numel:
