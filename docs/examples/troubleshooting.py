@@ -64,6 +64,10 @@ def gradients_live_in_shards():
         print(f"local_grad: {tuple(local_grad(weight).shape)}, full_grad: {tuple(full.shape)}")
         # Outside forward and backward the parameter is released: full shape, no bytes.
         print(f"weight: shape {tuple(weight.shape)}, {weight.untyped_storage().nbytes()} bytes")
+        try:
+            weight.sum()  # reading its values outside a gather is a clear error
+        except RuntimeError as exc:
+            print(f"weight.sum(): {str(exc).split(', so')[0]}")
 
 
 class TopOneMoE(nn.Module):
