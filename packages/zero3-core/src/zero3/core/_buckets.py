@@ -86,6 +86,7 @@ class GradBucket:
     launched: bool = False
     flat: torch.Tensor | None = None
     grads: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    written: set[int] = dataclasses.field(default_factory=set)
 
     def reset(self) -> None:
         """Forget this backward's arrivals and buffers."""
@@ -94,6 +95,7 @@ class GradBucket:
         self.launched = False
         self.flat = None
         self.grads.clear()
+        self.written.clear()
 
     @property
     def world_size(self) -> int:
@@ -106,13 +108,18 @@ class GradBucket:
         return self.region_numel + FINGERPRINT_SLOTS
 
     def new_flat(self, device: torch.device, pool: BufferPool | None = None) -> torch.Tensor:
-        """A zeroed rank-major buffer with this bucket's fingerprint in every region."""
+        """A rank-major buffer with this bucket's fingerprint in every region.
+
+        Its gradient slots hold stale bytes (a pooled buffer) until :meth:`write` fills
+        a member's slot or :meth:`seal` zeroes the slots nobody wrote: zeroing the
+        whole buffer up front would rewrite every byte twice.
+        """
         numel = self.world_size * self.stride
         if pool is None:
-            flat = torch.zeros(numel, dtype=self.dtype, device=device)
+            flat = torch.empty(numel, dtype=self.dtype, device=device)
         else:
             elem = torch.empty((), dtype=self.dtype).element_size()
-            flat = pool.take(numel * elem, device).view(self.dtype).zero_()
+            flat = pool.take(numel * elem, device).view(self.dtype)
         tails = flat.view(self.world_size, self.stride)[:, self.region_numel :]
         tails.copy_(fingerprint_bits(self.index, self.dtype, device).expand_as(tails))
         return flat
@@ -141,14 +148,25 @@ class GradBucket:
         slot, flat_grad = self.slot(position), grad.reshape(-1)
         rows, rem = divmod(sp.numel, sp.shard_numel) if sp.shard_numel else (0, 0)
         head = flat_grad[: rows * sp.shard_numel].view(rows, sp.shard_numel)
-        if accumulate:
+        if accumulate and position in self.written:
             slot[:rows].add_(head)
             if rem:
                 slot[rows, :rem].add_(flat_grad[rows * sp.shard_numel :])
-        else:
-            slot[:rows].copy_(head)
-            if rem:
-                slot[rows, :rem].copy_(flat_grad[rows * sp.shard_numel :])
+            return
+        slot[:rows].copy_(head)
+        if rem:
+            slot[rows, :rem].copy_(flat_grad[rows * sp.shard_numel :])
+            slot[rows, rem:].zero_()  # padding reduces as zeros
+        slot[rows + (1 if rem else 0) :].zero_()
+        self.written.add(position)
+
+    def seal(self) -> torch.Tensor:
+        """The flat buffer ready to reduce: slots nobody wrote become zeros."""
+        assert self.flat is not None
+        for position in range(len(self.params)):
+            if position not in self.written:
+                self.slot(position).zero_()
+        return self.flat
 
     def padded_grad(self, position: int, device: torch.device) -> torch.Tensor:
         """A member's gradient padded to ``N * s`` elements (zeros if it got none)."""

@@ -93,6 +93,8 @@ class ParamCoordinator:
         self._warned_invalidation = False
         self.tracer: Tracer | None = None
         self.live_numel = 0
+        self.live_bytes = 0
+        self._high_bytes = 0  # most gathered bytes at once in this step
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
 
@@ -215,6 +217,12 @@ class ParamCoordinator:
                 trace.invalidate()
         self._structure_changed = False
         self.step_open = False
+        if self._high_bytes:
+            # Keep what this step used at once: its gathered parameters, their gather
+            # buffers (receive + send) — and nothing more (see BufferPool).
+            peak = self._high_bytes
+            self.pool.limit_bytes = 2 * peak + peak // self.comm.world_size + (1 << 20)
+            self._high_bytes = self.live_bytes
 
     def _count_invalidation(self, reason: str) -> None:
         self.stats.current.trace_invalidations += 1
@@ -349,6 +357,8 @@ class ParamCoordinator:
         stats.gather_fingerprint_bytes += 16 * world
         stats.gather_padding_bytes += layout.chunk_bytes * world - layout.payload_bytes - 16 * world
         self.live_numel += numel
+        self.live_bytes += layout.payload_bytes
+        self._high_bytes = max(self._high_bytes, self.live_bytes)
         stats.live_numel_high_water = max(stats.live_numel_high_water, self.live_numel)
         if prefetch:
             stats.prefetch_gathers += 1
@@ -433,7 +443,8 @@ class ParamCoordinator:
         if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
             self._finish(sp.handle)
         if sp.status is ParamStatus.AVAILABLE:
-            free_full(sp.param)
+            free_full(sp.param, self.pool)
             sp.status = ParamStatus.NOT_AVAILABLE
             self.live_numel -= sp.numel
+            self.live_bytes -= sp.numel * sp.shard.element_size()
         self._prefetched.discard(sp.index)

@@ -27,10 +27,9 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from zero3.comm import CommBackend, Stream, Work
-from zero3.core._params import ParamStatus, ShardedParam
+from zero3.core._params import ParamStatus, ShardedParam, fill_full
 from zero3.core._pool import BufferPool
 
 __all__ = ["FINGERPRINT_BYTES", "FingerprintMismatchError", "GatherHandle", "GatherLayout"]
@@ -144,7 +143,7 @@ class GatherHandle:
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
             sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
             sp.handle = None
-            _copy_out(sp, recv, offset)
+            _copy_out(sp, recv, offset, self._pool)
         # On devices the buffers go back only after the consumer stream used them; on
         # CPU the copies above have run, so they are free now.
         if self._send is not None:
@@ -180,21 +179,17 @@ class GatherHandle:
         )
 
 
-def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int) -> None:
+def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int, pool: BufferPool) -> None:
     """Copy every rank's shard of ``sp`` from the gathered bytes into its full storage."""
     param, s, n = sp.param, sp.shard_numel, sp.numel
-    nbytes = param.numel() * param.element_size()
-    storage = param.untyped_storage()
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)
-    if n == 0:
-        return
     elem = sp.shard.element_size()
-    shards = recv[:, offset : offset + s * elem].view(param.dtype)  # (world, s)
-    rows, rem = divmod(n, s)
-    with torch.no_grad(), _unsafe_preserve_version_counter(param):
-        flat = param.view(-1)
+    shards = recv[:, offset : offset + s * elem].view(param.dtype) if n else recv[:, :0]
+    rows, rem = divmod(n, s) if s else (0, 0)
+
+    def fill(flat: torch.Tensor) -> None:
         if rows:
             flat[: rows * s].view(rows, s).copy_(shards[:rows])
         if rem:
             flat[rows * s :].copy_(shards[rows, :rem])
+
+    fill_full(param, fill, pool)

@@ -5,13 +5,16 @@ Note (releasing memory for real):
     autograd saves the weight for backward (``F.linear`` saves it), and the saved
     tensor shares the *storage*, so the full buffer stays referenced until backward
     (NOTES). zero3 therefore keeps every ``nn.Parameter`` at its full shape and frees
-    its storage in place with ``untyped_storage().resize_(0)``: the saved tensors share
-    that storage, so the bytes really go. Gathering resizes the storage back and copies
-    the data in under ``torch.autograd._unsafe_preserve_version_counter``: the copy is
-    not a user mutation, and without preserving the counter backward would refuse the
-    saved tensor ("modified by an inplace operation"). The parameter objects never
-    change, so tied weights stay tied and optimizers, hooks and ``named_parameters``
-    see the same objects.
+    its storage object in place: the saved tensors share that storage object, so the
+    bytes really go from all of them. Releasing swaps the bytes out into a spare
+    storage (``UntypedStorage._swap_data_ptr_``) that the buffer pool may keep for the
+    next gather; gathering fills a spare storage and swaps it in. Nothing is written
+    through the parameter, so its version counter never moves and backward accepts the
+    saved tensors. (On a torch without ``_swap_data_ptr_`` the storage is resized and
+    filled in place under ``torch.autograd._unsafe_preserve_version_counter``: the copy
+    is not a user mutation, and backward would otherwise refuse the saved tensor.) The
+    parameter objects never change, so tied weights stay tied and optimizers, hooks and
+    ``named_parameters`` see the same objects.
 
 Note (reading a released parameter):
     A released parameter keeps its shape but has no bytes. Many torch kernels read
@@ -38,11 +41,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from zero3.core._gather import GatherHandle
+    from zero3.core._pool import BufferPool
 
 __all__ = [
     "ParamStatus",
     "ReleasedParameter",
     "ShardedParam",
+    "fill_full",
     "free_full",
     "local_shard",
     "lookup",
@@ -265,9 +270,44 @@ def require(param: torch.Tensor, what: str) -> ShardedParam:
     return sp
 
 
-def free_full(param: torch.Tensor) -> None:
-    """Free the full storage of ``param`` in place (autograd's saved copies included)."""
-    param.untyped_storage().resize_(0)
+_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def free_full(param: torch.Tensor, pool: BufferPool | None = None) -> None:
+    """Free the full storage of ``param`` in place (autograd's saved copies included).
+
+    With a pool, the bytes go to it for reuse by the next gather of this size.
+    """
+    storage = param.untyped_storage()
+    if pool is None or not _SWAP or storage.nbytes() == 0:
+        storage.resize_(0)
+        return
+    holder = torch.UntypedStorage(0, device=storage.device)
+    storage._swap_data_ptr_(holder)  # type: ignore[attr-defined]  # the parameter's is empty now
+    pool.give_storage(holder)
+
+
+def fill_full(param: torch.Tensor, fill: Callable[[torch.Tensor], None], pool: BufferPool) -> None:
+    """Give a released ``param`` its bytes again: ``fill`` writes a flat view of a
+    (pooled) storage, which is then swapped into the parameter's own storage object.
+
+    Writing a spare storage and swapping it in never touches the parameter's version
+    counter, so autograd's saved tensors stay valid without bookkeeping.
+    """
+    nbytes = param.numel() * param.element_size()
+    if not _SWAP:
+        storage = param.untyped_storage()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        with torch.no_grad(), _unsafe_preserve_version_counter(param):
+            fill(param.view(-1))
+        return
+    fresh = pool.take_storage(nbytes, param.device)
+    with torch.no_grad(), torch.inference_mode(False):
+        flat = torch.empty(0, dtype=param.dtype, device=param.device)
+        flat.set_(fresh, 0, (param.numel(),), (1,))
+        fill(flat)
+    param.untyped_storage()._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
 
 
 def write_full(param: torch.Tensor, flat: torch.Tensor) -> None:

@@ -13,6 +13,14 @@ Note:
     model's gathered size) and can be dropped with :meth:`clear`. Only CPU buffers are
     kept: device memory already comes from torch's caching allocator, which also knows
     when a stream has finished with a block.
+
+    Parameter data is pooled the same way: releasing a parameter swaps its bytes out
+    into a spare storage (``UntypedStorage._swap_data_ptr_``; autograd's saved tensors
+    share the parameter's storage object, so they lose the bytes too) and the next
+    gather of that size swaps a filled storage back in. The limit follows the engine's
+    own peak working set (set at the end of each step), so the pool never keeps more
+    than a step needs at once: with per-module release on a large model it caches a
+    few modules, not the model.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class BufferPool:
         self.cached_bytes = 0
         self._free: list[torch.Tensor] = []
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a handed-out view -> its base
+        self._storages: dict[tuple[torch.device, int], list[torch.UntypedStorage]] = {}
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A ``uint8`` buffer of ``nbytes`` (contents undefined).
@@ -74,7 +83,31 @@ class BufferPool:
         self._free.append(base)
         self.cached_bytes += base.numel()
 
+    def take_storage(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """An untyped storage of exactly ``nbytes`` (for a parameter's data)."""
+        free = self._storages.get((device, nbytes))
+        if free:
+            self.cached_bytes -= nbytes
+            return free.pop()
+        with torch.inference_mode(False):
+            return torch.UntypedStorage(nbytes, device=device)
+
+    def give_storage(self, storage: torch.UntypedStorage) -> None:
+        """Keep a released parameter's bytes for the next gather of that size."""
+        nbytes = storage.nbytes()
+        if storage.device.type != "cpu" or self.cached_bytes + nbytes > self.limit_bytes:
+            return
+        self._storages.setdefault((storage.device, nbytes), []).append(storage)
+        self.cached_bytes += nbytes
+
+    def cached_data_ptrs(self) -> set[int]:
+        """Data pointers of every cached buffer and storage (for memory accounting)."""
+        ptrs = {buf.untyped_storage().data_ptr() for buf in self._free}
+        ptrs.update(s.data_ptr() for free in self._storages.values() for s in free)
+        return ptrs
+
     def clear(self) -> None:
         """Free every cached buffer."""
         self._free.clear()
+        self._storages.clear()
         self.cached_bytes = 0

@@ -220,7 +220,9 @@ class GradReducer:
                 grad = bucket.grads.get(sp.index)
                 if grad is not None:
                     bucket.write(k, grad, accumulate=False, pool=self.pool)
-        flat = bucket.flat if bucket.flat is not None else bucket.new_flat(device, self.pool)
+        if bucket.flat is None:
+            bucket.flat = bucket.new_flat(device, self.pool)
+        flat = bucket.seal()
         bucket.flat, bucket.grads = None, {}
         self._reduce_flat(flat, region, bucket.index, bucket.payload_numel)
 
