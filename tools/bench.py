@@ -137,7 +137,7 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per run")
+    p.add_argument("--warmup", type=int, default=4, help="untimed first steps per run")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")

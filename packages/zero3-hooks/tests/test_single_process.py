@@ -9,6 +9,7 @@ from torch import nn
 from zero3.comm import create_backend
 from zero3.core import Zero3Config, local_grad
 from zero3.hooks import ShardedModule, set_leaf_modules, shard_module, stats, unshard_module
+from zero3.testing.recording import RecordingBackend
 
 
 def _model():
@@ -16,7 +17,7 @@ def _model():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def test_world_of_one_matches_and_frees():
+def test_world_of_one_keeps_parameters_whole_and_matches():
     model = _model()
     reference = copy.deepcopy(model)
     shard_module(model, Zero3Config(param_persistence_threshold=0), comm=create_backend("loopback"))
@@ -27,9 +28,10 @@ def test_world_of_one_matches_and_frees():
     out.sum().backward()
     ref.sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        assert p.untyped_storage().nbytes() == 0  # nothing whole after backward
-        assert torch.allclose(local_grad(p), q.grad.reshape(-1))
-    assert stats(model).gathers > 0
+        # One rank has nothing to shard: the parameter stays whole, no gathers.
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        assert p.grad is None and torch.allclose(local_grad(p), q.grad.reshape(-1))
+    assert stats(model).gathers == 0 and stats(model).reduce_collectives == 0
     unshard_module(model)
     assert not isinstance(model, ShardedModule)
     assert torch.allclose(model(x), ref)
@@ -41,7 +43,8 @@ def test_set_leaf_modules_errors_and_after_sharding():
         set_leaf_modules(model, nn.Conv2d)
     with pytest.raises(ValueError, match="at least one"):
         set_leaf_modules(model)
-    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=create_backend("loopback"))
+    # A simulated world of two (values are not meaningful, scheduling is).
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=RecordingBackend(2))
     assert set_leaf_modules(model, "Sequential") == ["<root>"]  # after sharding, by name
     x = torch.randn(2, 8)
     model(x).sum().backward()

@@ -167,6 +167,9 @@ class GradReducer:
         position = self._position.get(sp.index)
         if position is None:
             return  # not trainable at setup (frozen): not part of any bucket
+        if self.comm.world_size == 1:
+            self._accumulate_alone(sp, position, grad)
+            return
         self._arrived[position] = 1
         if not self.fixed_buckets:
             self._arrive_dynamic(sp, grad)
@@ -189,6 +192,18 @@ class GradReducer:
             bucket.ready = True
             self._launch_ready()
 
+    def _accumulate_alone(self, sp: ShardedParam, position: int, grad: torch.Tensor) -> None:
+        """A world of one: the gradient goes straight into its shard (no collective)."""
+        bucket, k = self._bucket_of[sp.index]
+        buf = self._partition(bucket.dtype, grad.device)
+        start = bucket.partition_offset + bucket.offsets[k]
+        shard = buf[start : start + sp.shard_numel].view(grad.shape)
+        if self.micro_step or self._arrived[position]:
+            shard.add_(grad)
+        else:
+            shard.copy_(grad)
+        self._arrived[position] = 1
+
     def leaf_done(self, leaf_index: int) -> None:
         """A leaf's backward finished: its buckets go now, missing members as zeros (§7)."""
         if not self.fixed_buckets:
@@ -199,7 +214,7 @@ class GradReducer:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        if self.defer_launches and not self._in_epilogue:
+        if self.comm.world_size == 1 or (self.defer_launches and not self._in_epilogue):
             return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
             self._launch(self.buckets[self._next_launch])

@@ -146,10 +146,16 @@ class ShardedModelState:
         numel = param.numel()
         shard_numel = -(-numel // world)
         flat = param.detach().reshape(-1)
-        start = min(rank * shard_numel, numel)
-        stop = min(start + shard_numel, numel)
-        shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
-        shard[: stop - start].copy_(flat[start:stop])
+        if world == 1:
+            # Note: a world of one has nothing to shard. The "shard" is the parameter's
+            # own data and the parameter stays whole (persistent): no gathers, and the
+            # optimizer steps the parameter in place, so a single process pays nothing.
+            shard = flat
+        else:
+            start = min(rank * shard_numel, numel)
+            stop = min(start + shard_numel, numel)
+            shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
+            shard[: stop - start].copy_(flat[start:stop])
         sp = ShardedParam(
             index=index,
             name=name,
@@ -158,9 +164,10 @@ class ShardedModelState:
             numel=numel,
             shard_numel=shard_numel,
             shard=shard,
-            persistent=numel <= self.config.param_persistence_threshold,
+            persistent=world == 1 or numel <= self.config.param_persistence_threshold,
             rank=rank,
             world_size=world,
+            aliases_param=world == 1,
         )
         _params.register(sp)
         _PARAM_STATE[param] = self

@@ -46,9 +46,18 @@ class _SubGroup:
     group: int
     params: list[ShardedParam]
     offsets: list[int]
-    master: torch.Tensor  # flat fp32: each member's padded shard, back to back
-    views: list[torch.Tensor]  # each member's real elements within ``master``
-    aliased: list[bool]  # the member's shard *is* its master region (fp32 parameters)
+    master: torch.Tensor | None  # flat fp32 padded shards back to back (None: see views)
+    views: list[torch.Tensor]  # each member's real fp32 elements the optimizer steps
+    aliased: list[bool]  # the member's shard *is* its master (fp32 parameters)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the sub-group (padded shards)."""
+        return sum(sp.shard_numel for sp in self.params)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything that may carry a ``.grad`` for the wrapped optimizer."""
+        return [*([self.master] if self.master is not None else []), *self.views]
 
 
 def _normalize_groups(module: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -130,7 +139,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             tensors: list[torch.Tensor] = []
             for sg in self._subgroups:
                 if sg.group == g_index:
-                    tensors.extend([sg.master] if flat else sg.views)
+                    tensors.extend([sg.master] if flat and sg.master is not None else sg.views)
             inner_groups.append({"params": tensors, **options})
         if isinstance(optimizer, type):
             self.optimizer = optimizer(inner_groups, **defaults)
@@ -195,12 +204,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     size += sp.local_numel
         return subgroups
 
-    @staticmethod
-    def _subgroup(group: int, members: list[ShardedParam]) -> _SubGroup:
+    def _subgroup(self, group: int, members: list[ShardedParam]) -> _SubGroup:
         offsets, cursor = [], 0
         for sp in members:
             offsets.append(cursor)
             cursor += sp.shard_numel
+        if not self.flat and all(sp.dtype == torch.float32 for sp in members):
+            # fp32 parameters, one tensor each: the shard is the master. No extra copy of
+            # the fp32 state, nothing to write back (and in a world of one the shard is
+            # the parameter itself, so the step updates it in place).
+            views = [sp.shard[: sp.local_numel] for sp in members]
+            return _SubGroup(group, members, offsets, None, views, [True] * len(members))
         device = members[0].shard.device
         master = torch.empty(cursor, dtype=torch.float32, device=device)
         views, aliased = [], []
@@ -208,11 +222,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             region = master[offset : offset + sp.shard_numel]
             region.copy_(sp.shard)
             views.append(region[: sp.local_numel])
-            # An fp32 parameter's shard moves into its master region: one copy of the
-            # fp32 state instead of two, and nothing to write back after a step.
-            if sp.dtype == torch.float32:
+            # An fp32 parameter's shard moves into its master region (flat mode needs the
+            # sub-group contiguous): one copy of the fp32 state, nothing to write back.
+            fp32 = sp.dtype == torch.float32 and not sp.aliases_param
+            if fp32:
                 sp.shard = region
-            aliased.append(sp.dtype == torch.float32)
+            aliased.append(fp32)
         return _SubGroup(group, members, offsets, master, views, aliased)
 
     def master_shard(self, param: torch.Tensor) -> torch.Tensor:
@@ -342,11 +357,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         batch: list[_SubGroup] = []
         size = 0
         for sg in self._subgroups:
-            if batch and size + sg.master.numel() > limit:
+            if batch and size + sg.numel > limit:
                 self._step_batch(batch)
                 batch, size = [], 0
             batch.append(sg)
-            size += sg.master.numel()
+            size += sg.numel
         if batch:
             self._step_batch(batch)
 
@@ -360,7 +375,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if stepped:
             self.optimizer.step()
         for sg in batch:
-            for view in [sg.master, *sg.views]:
+            for view in sg.tensors():
                 view.grad = None
 
     def _set_grads(self, sg: _SubGroup, scratch_offset: int) -> int:
@@ -369,7 +384,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         grads = [reducer.grad_shard(sp) for sp in sg.params]
         if all(g is None for g in grads):
             return 0
-        if self.flat:
+        if self.flat and sg.master is not None:
             scratch = self._scratch(scratch_offset + sg.master.numel())[scratch_offset:]
             scratch.zero_()
             for sp, offset, grad in zip(sg.params, sg.offsets, grads, strict=True):
@@ -390,7 +405,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def _scratch(self, numel: int) -> torch.Tensor:
         if self._fp32_scratch is None or self._fp32_scratch.numel() < numel:
-            device = self._subgroups[0].master.device
+            device = self._subgroups[0].views[0].device
             self._fp32_scratch = torch.empty(numel, dtype=torch.float32, device=device)
         return self._fp32_scratch[:numel]
 
@@ -400,7 +415,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             for sp, view, aliased in zip(sg.params, sg.views, sg.aliased, strict=True):
                 if not aliased:
                     sp.shard[: sp.local_numel].copy_(view)
-                if sp.persistent or sp.status is ParamStatus.AVAILABLE:
+                whole = sp.persistent or sp.status is ParamStatus.AVAILABLE
+                if whole and not sp.aliases_param:
                     refresh.append(sp)
         if refresh:
             self._refresh(refresh)
@@ -426,8 +442,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """End the gradient accumulation window (gradients live in zero3's shards)."""
         for sg in self._subgroups:
-            sg.master.grad = None
-            for view in sg.views:
+            for view in sg.tensors():
                 view.grad = None
         self._end_window()
 
@@ -448,7 +463,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         comm = self._zstate.comm
         return {
             "inner": self.optimizer.state_dict(),
-            "masters": [sg.master.detach().clone() for sg in self._subgroups],
+            "masters": [torch.cat([v.detach() for v in sg.views]) for sg in self._subgroups],
             "layout": [[sp.name for sp in sg.params] for sg in self._subgroups],
             "flat": self.flat,
             "rank": comm.rank,
@@ -480,6 +495,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
         with torch.no_grad():
             for sg, master in zip(self._subgroups, state_dict["masters"], strict=True):
-                sg.master.copy_(master)
+                for view, part in zip(
+                    sg.views, master.split([v.numel() for v in sg.views]), strict=True
+                ):
+                    view.copy_(part)
             self._write_back()
         self.scaler.load_state_dict(state_dict["scaler"])
