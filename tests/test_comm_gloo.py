@@ -220,3 +220,18 @@ def test_harness_reports_failing_rank_and_recovers_from_a_hang(worker_pool):
     assert "timed out" in str(info.value)
     assert "_hangs" in str(info.value)  # the hung rank's stack is in the report
     assert worker_pool(2).run(_sum_ranks) == [1.0, 1.0]
+
+
+def _in_place_all_gather(native: bool) -> list[float]:
+    comm = GlooBackend(timeout_s=20, all_gather_via="native" if native else "broadcast")
+    out = torch.zeros(3 * comm.world_size)
+    mine = out.view(comm.world_size, -1)[comm.rank]
+    mine.fill_(float(comm.rank + 1))
+    comm.all_gather(out, mine).wait()
+    return out.tolist()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["broadcast", "native"])
+def test_in_place_all_gather(worker_pool, native):
+    for result in worker_pool(2).run(_in_place_all_gather, native):
+        assert result == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]

@@ -383,3 +383,20 @@ def test_duplicate_has_its_own_collective_sequence():
     finally:
         second.close()
         first.close()
+
+
+@pytest.mark.timeout(60)
+def test_in_place_all_gather_matches():
+    import torch
+
+    from zero3.comm import MPIBackend
+
+    comm = MPIBackend(timeout_s=20)
+    try:
+        out = torch.zeros(3 * comm.world_size)
+        mine = out.view(comm.world_size, -1)[comm.rank]
+        mine.fill_(float(comm.rank + 1))
+        comm.all_gather(out, mine).wait()
+        assert out.tolist() == [float(r + 1) for r in range(comm.world_size) for _ in range(3)]
+    finally:
+        comm.close()

@@ -118,7 +118,9 @@ class CommBackend(abc.ABC):
 
         Args:
             output: Contiguous tensor of ``world_size * input.numel()`` elements.
-            input: This rank's contribution.
+            input: This rank's contribution. It may be ``output``'s own chunk
+                (``output.view(world_size, -1)[rank]``): an in-place all-gather, which
+                every backend must support (it saves a copy of the send buffer).
             stream: Stream to issue the collective on (default: the current stream).
         """
         input = self._prepare_input(input, "all_gather")

@@ -395,6 +395,12 @@ class MPIWork(Work):
         return self._waited or self._progress.test(self._entry)
 
 
+def _is_own_chunk(output: torch.Tensor, input: torch.Tensor, rank: int) -> bool:
+    """True when ``input`` is ``output``'s chunk ``rank`` (an in-place all-gather)."""
+    chunk = input.numel() * input.element_size()
+    return input.data_ptr() == output.data_ptr() + rank * chunk and chunk > 0
+
+
 class MPIBackend(CommBackend):
     """MPI collectives on CPU tensors through mpi4py (``Iallgather``, ``Ireduce_scatter_block``...).
 
@@ -561,7 +567,9 @@ class MPIBackend(CommBackend):
         return average
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, stream: Stream | None) -> Work:
-        send, recv = self._bytes(input), self._bytes(output)
+        recv = self._bytes(output)
+        # MPI forbids overlapping send and receive buffers; in place is MPI_IN_PLACE.
+        send = self._mpi.IN_PLACE if _is_own_chunk(output, input, self.rank) else self._bytes(input)
         return self._issue("all_gather", (output, input), lambda: self._comm.Iallgather(send, recv))
 
     def _reduce_scatter(

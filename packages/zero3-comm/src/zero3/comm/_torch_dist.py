@@ -365,7 +365,8 @@ class GlooBackend(TorchDistBackend):
         if self.all_gather_via == "native":
             return super()._all_gather(output, input, stream)
         chunks = output.view(self.world_size, -1)
-        chunks[self.rank].copy_(input)
+        if chunks[self.rank].data_ptr() != input.data_ptr():
+            chunks[self.rank].copy_(input)
 
         def launch() -> _AllOf:
             return _AllOf(

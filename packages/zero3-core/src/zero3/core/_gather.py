@@ -111,8 +111,10 @@ class GatherHandle:
         self._world = comm.world_size
         device = layout.params[0].shard.device
         self._pool = pool
-        send = pool.take(layout.chunk_bytes, device)
-        self._send: torch.Tensor | None = send
+        self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
+        # Pack straight into this rank's own chunk of the receive buffer and gather in
+        # place: no separate send buffer, one copy less.
+        send = self._recv.view(self._world, layout.chunk_bytes)[comm.rank]
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
@@ -121,7 +123,6 @@ class GatherHandle:
         send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
-        self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
 
     def is_completed(self) -> bool:
@@ -144,12 +145,10 @@ class GatherHandle:
             sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
             sp.handle = None
             _copy_out(sp, recv, offset, self._pool)
-        # On devices the buffers go back only after the consumer stream used them; on
-        # CPU the copies above have run, so they are free now.
-        if self._send is not None:
-            self._pool.give(self._send)
+        # On devices the buffer goes back only after the consumer stream used it; on
+        # CPU the copies above have run, so it is free now.
         self._pool.give(self._recv)
-        self._recv, self._send, self._work = None, None, None
+        self._recv, self._work = None, None
 
     def _check_fingerprints(self, recv: torch.Tensor) -> None:
         prints = recv[:, -FINGERPRINT_BYTES:].contiguous().view(torch.int32).cpu()
