@@ -21,9 +21,15 @@ def _rank_values(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) % 7 + rank * 3).to(dtype)
 
 
-def _all_collectives(dtype: torch.dtype, asynchronous: bool, native: bool = False) -> None:
-    via = {"all_gather_via": "native", "reduce_scatter_via": "native"} if native else {}
-    comm = GlooBackend(timeout_s=30, **via)
+_VIA = {
+    "default": {},
+    "native": {"all_gather_via": "native", "reduce_scatter_via": "native"},
+    "all_reduce": {"reduce_scatter_via": "all_reduce"},
+}
+
+
+def _all_collectives(dtype: torch.dtype, asynchronous: bool, via: str = "default") -> None:
+    comm = GlooBackend(timeout_s=30, **_VIA[via])
     r, n = comm.rank, comm.world_size
 
     def done(work) -> None:
@@ -40,16 +46,27 @@ def _all_collectives(dtype: torch.dtype, asynchronous: bool, native: bool = Fals
     expected = torch.cat([_rank_values(q, 5, dtype) for q in range(n)])
     assert torch.equal(out, expected)
 
-    # reduce_scatter SUM / AVG / MAX.
+    # reduce_scatter SUM / AVG / MAX / MIN, all in flight at once before any wait (the
+    # exchange pairs each message with its own call), then in place (output = own chunk).
     full = [_rank_values(q, 4 * n, dtype) for q in range(n)]
-    for op, ref in (
-        (ReduceOp.SUM, torch.stack(full).float().sum(0)),
-        (ReduceOp.AVG, torch.stack(full).float().mean(0)),
-        (ReduceOp.MAX, torch.stack(full).float().amax(0)),
-    ):
-        res = torch.empty(4, dtype=dtype)
-        done(comm.reduce_scatter(res, full[r], op=op))
+    stacked = torch.stack(full).float()
+    cases = (
+        (ReduceOp.SUM, stacked.sum(0)),
+        (ReduceOp.AVG, stacked.mean(0)),
+        (ReduceOp.MAX, stacked.amax(0)),
+        (ReduceOp.MIN, stacked.amin(0)),
+    )
+    results = [torch.empty(4, dtype=dtype) for _ in cases]
+    works = [
+        comm.reduce_scatter(res, full[r], op=op)
+        for res, (op, _) in zip(results, cases, strict=True)
+    ]
+    for work, res, (op, ref) in zip(works, results, cases, strict=True):
+        done(work)
         assert torch.equal(res, ref[4 * r : 4 * r + 4].to(dtype)), (op, res)
+    own = full[r].clone()
+    done(comm.reduce_scatter(own[4 * r : 4 * r + 4], own, op=ReduceOp.SUM))
+    assert torch.equal(own[4 * r : 4 * r + 4], stacked.sum(0)[4 * r : 4 * r + 4].to(dtype))
 
     # all_reduce.
     t = _rank_values(r, 6, dtype)
@@ -87,9 +104,9 @@ def _all_collectives(dtype: torch.dtype, asynchronous: bool, native: bool = Fals
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("native", [False, True], ids=["default", "native"])
-def test_every_collective(worker_pool, world_size, dtype, asynchronous, native):
-    worker_pool(world_size).run(_all_collectives, dtype, asynchronous, native)
+@pytest.mark.parametrize("via", list(_VIA))
+def test_every_collective(worker_pool, world_size, dtype, asynchronous, via):
+    worker_pool(world_size).run(_all_collectives, dtype, asynchronous, via)
 
 
 def _async_is_real() -> dict[str, object]:

@@ -67,12 +67,18 @@ def launch(
             )
         )
     outs = [p.communicate(timeout=args.timeout) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        if p.returncode != 0:
-            raise RuntimeError(f"{system} failed (exit {p.returncode}):\n{err[-3000:]}")
+    failed = [
+        f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+        for rank, (p, (_, err)) in enumerate(zip(procs, outs, strict=True))
+        if p.returncode != 0
+    ]
+    if failed:
+        raise RuntimeError(f"{system} failed; " + "\n".join(failed))
     line = next(x for x in outs[0][0].splitlines() if x.startswith("BENCH_RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("BENCH_RESULT "))
     result["timed"] = result["times"][args.warmup :]
+    result["timed_cpu"] = result["cpu"][args.warmup :]
+    result["timed_faults"] = result["faults"][args.warmup :]
     return result
 
 
@@ -94,7 +100,12 @@ def _row(
     )
     rounds = ", ".join(f"{m:.2f}" for m in medians)
     sharded = 100 * last.get("sharded", 0)
-    return f"| {name} | {rounds} | {ratio} | {rss} | {payload} | {sharded:.1f}% | {diff:.1e} |"
+    cpu = statistics.median(c for r in runs for c in r["timed_cpu"])
+    faults = statistics.median(f for r in runs for f in r["timed_faults"])
+    return (
+        f"| {name} | {rounds} | {ratio} | {cpu:.2f} | {faults / 1000:.0f}k | {rss} | {payload} "
+        f"| {sharded:.1f}% | {diff:.1e} |"
+    )
 
 
 def report(
@@ -105,13 +116,13 @@ def report(
         f"### {title}",
         "",
         f"| system | median step time per round (s) | vs {base} (median of rounds; range) "
-        "| peak RSS per rank (GiB) | payload bytes/step per rank | elements sharded "
-        "| max loss diff vs 1 process |",
-        "|---|---|---|---|---|---|---|",
+        "| CPU s/step per rank | page faults/step per rank | peak RSS per rank (GiB) "
+        "| payload bytes/step per rank | elements sharded | max loss diff vs 1 process |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in results.items():
         if runs and "skipped" in runs[0]:
-            lines.append(f"| {name} | SKIPPED: {runs[0]['skipped']} | | | | | |")
+            lines.append(f"| {name} | SKIPPED: {runs[0]['skipped']} | | | | | | | |")
             continue
         lines.append(_row(name, runs, results.get(base) if name != base else None, ref))
     for name, runs in results.items():

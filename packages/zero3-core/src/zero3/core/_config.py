@@ -65,6 +65,11 @@ class Zero3Config:
             on arrival (one collective per bucket); False keeps them as a list until the
             bucket is reduced (the discrete path).
         overlap_comm: Gathers and reductions run asynchronously alongside compute.
+        overlap_chunk_size: With :attr:`overlap_comm`, most elements one overlapped
+            collective carries: a gradient bucket is reduced in chunks of this size as
+            its gradients arrive, and a prefetch is issued as gathers of this size split
+            at module boundaries, so compute waits for the first chunk only, not for
+            the whole bucket (see :ref:`overlap chunks <overlap-chunks>`). Not a DeepSpeed field.
         sub_group_size: Elements per optimizer sub-group (fp32 master chunk).
         backend: Comm backend name for :func:`zero3.comm.create_backend` (``"auto"``).
         leaf_modules: Module classes or qualified class names whose whole subtree is
@@ -97,6 +102,7 @@ class Zero3Config:
     reduce_bucket_size: int = 500_000_000
     contiguous_gradients: bool = True
     overlap_comm: bool = True
+    overlap_chunk_size: int = 4_194_304
     sub_group_size: int = 1_000_000_000
     backend: str = "auto"
     leaf_modules: tuple[LeafTarget, ...] = ()
@@ -121,7 +127,13 @@ class Zero3Config:
             "param_persistence_threshold",
         ):
             self._set(name, self._int(name, getattr(self, name), minimum=0))
-        for name in ("reduce_bucket_size", "sub_group_size", "loss_scale_window", "hysteresis"):
+        for name in (
+            "reduce_bucket_size",
+            "overlap_chunk_size",
+            "sub_group_size",
+            "loss_scale_window",
+            "hysteresis",
+        ):
             self._set(name, self._int(name, getattr(self, name), minimum=1))
         self._set(
             "initial_scale_power",

@@ -6,7 +6,9 @@ Note (fetch in three steps, §2.1):
     carrying the rest, then (3) once the trace is COMPLETE prefetches what comes next
     in trace order, up to ``prefetch_bucket_size`` elements, never past
     ``max_live_parameters`` live elements, with at most two prefetches in flight
-    (§2.2: a host that queues gathers without bound pins their memory early).
+    (§2.2: a host that queues gathers without bound pins their memory early). One
+    prefetch leaves as several gathers cut at module boundaries (overlap chunks,
+    :meth:`ParamCoordinator._chunks`).
     With ``overlap_comm=False`` the gather stream is the compute stream: prefetches
     are still issued but waited for at once, and ``StepStats.blocking_prefetches``
     counts them.
@@ -88,7 +90,8 @@ class ParamCoordinator:
         self.position = 0
         self.diverged = False
         self._prefetched: set[int] = set()
-        self._inflight: collections.deque[GatherHandle] = collections.deque()
+        # Prefetches in flight; one prefetch is a list of gathers (overlap chunks).
+        self._inflight: collections.deque[list[GatherHandle]] = collections.deque()
         self._structure_changed = False
         self._warned_invalidation = False
         self.tracer: Tracer | None = None
@@ -193,8 +196,9 @@ class ParamCoordinator:
 
     def end_step(self, all_params: Iterable[ShardedParam]) -> None:
         """Finish the step: complete gathers, release everything, freeze or check the trace."""
-        for handle in list(self._inflight):
-            self._finish(handle)
+        for handles in self._inflight:
+            for handle in handles:
+                self._finish(handle)
         self._inflight.clear()
         for sp in all_params:
             sp.holds = 0
@@ -363,9 +367,7 @@ class ParamCoordinator:
         if prefetch:
             stats.prefetch_gathers += 1
             self._prefetched.update(key)
-            if self.config.overlap_comm:
-                self._inflight.append(handle)
-            else:
+            if not self.config.overlap_comm:
                 stats.blocking_prefetches += 1
                 self._finish(handle)
         return handle
@@ -397,9 +399,11 @@ class ParamCoordinator:
         # A prefetch leaves the in-flight count when a fetch consumes it, never when the
         # network happens to finish it: every decision that issues a collective must be
         # the same on every rank, and completion timing is not.
-        while self._inflight and self._inflight[0].finished:
+        while self._inflight and all(h.finished for h in self._inflight[0]):
             self._inflight.popleft()
-        if sum(1 for h in self._inflight if not h.finished) >= MAX_INFLIGHT_PREFETCHES:
+        if sum(1 for hs in self._inflight if not all(h.finished for h in hs)) >= (
+            MAX_INFLIGHT_PREFETCHES
+        ):
             return
         if self.live_numel >= self._sharded_numel:
             return  # everything is gathered already (the default window keeps all)
@@ -415,8 +419,8 @@ class ParamCoordinator:
         # than reach past it for far-away entries that would sit in the in-flight slots.
         start = trace.first_entry_at[position + 1]
         j = start
-        chosen: dict[int, ShardedParam] = {}
-        total, first_position = 0, -1
+        chosen: dict[int, tuple[ShardedParam, int]] = {}
+        total = 0
         while j < len(order) and budget > 0:
             entry_position, sp = order[j]
             j += 1
@@ -428,14 +432,39 @@ class ParamCoordinator:
                 continue
             if total + sp.numel > budget:
                 break
-            chosen[sp.index] = sp
+            chosen[sp.index] = (sp, entry_position)
             total += sp.numel
-            if first_position < 0:
-                first_position = entry_position
-        if chosen:
-            self._issue(
-                list(chosen.values()), trace.modules[first_position], forward, prefetch=True
-            )
+        handles = [
+            self._issue(piece, trace.modules[first], forward, prefetch=True)
+            for first, piece in self._chunks(list(chosen.values()))
+        ]
+        if handles and self.config.overlap_comm:
+            self._inflight.append(handles)
+
+    def _chunks(
+        self, chosen: list[tuple[ShardedParam, int]]
+    ) -> list[tuple[int, list[ShardedParam]]]:
+        """Cut a prefetch (trace order) into gathers of at most ``overlap_chunk_size``
+        elements, at module boundaries only; each with its first trace position.
+
+        Note (overlap chunks):
+            One gather for the whole prefetch would make the next module wait for all
+            of it — at the start of a step, for the whole model. Cut at module
+            boundaries, each module waits only for the chunk holding its parameters
+            while the later chunks are still on the wire.
+        """
+        limit = self.config.overlap_chunk_size if self.config.overlap_comm else None
+        pieces: list[tuple[int, list[ShardedParam]]] = []
+        size, last_position = 0, -1
+        for sp, position in chosen:
+            boundary = position != last_position
+            if not pieces or (boundary and limit is not None and size + sp.numel > limit):
+                pieces.append((position, []))
+                size = 0
+            pieces[-1][1].append(sp)
+            size += sp.numel
+            last_position = position
+        return pieces
 
     def _release(self, sp: ShardedParam) -> None:
         if sp.persistent or sp.pinned:

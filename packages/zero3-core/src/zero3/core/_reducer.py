@@ -108,7 +108,7 @@ class GradReducer:
                 "window; change them before backward or after the optimizer step"
             )
         self.buckets = plan_buckets(
-            self.params, self.config.reduce_bucket_size, self.config.reduce_dtype, leaf_of
+            self.params, self.bucket_numel(self.config), self.config.reduce_dtype, leaf_of
         )
         self._bucket_of: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
@@ -118,6 +118,24 @@ class GradReducer:
         n = len(self.params)
         self._window_flags = torch.zeros(n, dtype=torch.bool)
         self._reset_backward()
+
+    @staticmethod
+    def bucket_numel(config: Zero3Config) -> int:
+        """Elements per planned bucket: ``reduce_bucket_size``, in overlap chunks.
+
+        Note (overlap chunks):
+            ``reduce_bucket_size`` bounds how many gradient elements one reduction may
+            buffer. Used as the launch unit as well (DeepSpeed's way), its default of
+            5e8 puts a whole mid-sized model in one bucket that can only leave when
+            backward is over, so none of the reduction overlaps compute. With
+            ``overlap_comm`` a bucket is therefore cut into chunks of at most
+            ``overlap_chunk_size`` elements, each reduced as soon as its members
+            arrived (in index order): the same bytes, a few more collectives, and the
+            wire busy while backward still runs.
+        """
+        if config.overlap_comm:
+            return min(config.reduce_bucket_size, config.overlap_chunk_size)
+        return config.reduce_bucket_size
 
     def _reset_backward(self) -> None:
         n = len(self.params)
