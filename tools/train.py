@@ -11,6 +11,7 @@ ships in tools/data/.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -121,6 +122,11 @@ def train(args: object) -> int:
     _samples(args, comm, corpus, model, shape)
     _outputs(args, comm, tracer, losses, times)
     comm.barrier().wait()
+    # Free the model (its gradient group with it), then the default group, while the
+    # interpreter is whole: gloo groups finalized at exit can abort a finished run.
+    del model, opt, scheduler
+    gc.collect()
+    comm.close()
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import resource
@@ -219,13 +220,18 @@ def run(system: str, w: Workload, steps: int) -> dict[str, Any]:
         faults.append(after.ru_minflt - before.ru_minflt)
         losses.append(loss)
     extra = info.pop("info")() if "info" in info else {}
+    extra.update(info)
+    # Free the engine (and any process group it made) while the interpreter is whole:
+    # a gloo group finalized at interpreter exit can abort the process (SIGABRT,
+    # "terminate called without an active exception") after the run has succeeded.
+    del step_fn, info
+    gc.collect()
     result = {
         "times": times,
         "losses": losses,
         "cpu": cpu,
         "faults": faults,
         "rss": peak_rss_bytes(),
-        **info,
         **extra,
     }
     if dist.is_initialized():

@@ -143,7 +143,8 @@ class TorchDistBackend(CommBackend):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        self._owns_group = False
+        self._owns_group = False  # the default group, created here
+        self._owns_subgroup = False  # a group created by duplicate()
         self._tmp_store: str | None = None
         if group is None:
             if not dist.is_initialized():
@@ -195,13 +196,18 @@ class TorchDistBackend(CommBackend):
             backend=self.dist_backend,
             use_local_synchronization=True,
         )
-        return type(self)(group=group, timeout_s=self.timeout_s, **self._options())
+        twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
+        twin._owns_subgroup = True
+        return twin
 
     def _options(self) -> dict[str, Any]:
         """Constructor options a duplicate must repeat (subclasses extend it)."""
         return {}
 
     def close(self) -> None:
+        if self._owns_subgroup and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self._owns_subgroup = False
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
