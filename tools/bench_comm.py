@@ -56,13 +56,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50, help="timed iterations per point")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per point")
     parser.add_argument(
-        "--backends", default="gloo,mpi", help="comma list of gloo, mpi, mpi-nothread"
+        "--backends",
+        default="gloo,mpi",
+        help="comma list of gloo, gloo-native, gloo-allreduce, mpi, mpi-nothread",
     )
     parser.add_argument("--ops", default="all_gather,reduce_scatter")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout (s)")
     return parser.parse_args(argv)
+
+
+#: gloo variants: the defaults (broadcast all-gather, exchange reduce-scatter), gloo's own
+#: collectives, and reduce-scatter through an all-reduce.
+GLOO_VARIANTS: dict[str, dict[str, str]] = {
+    "gloo": {},
+    "gloo-native": {"all_gather_via": "native", "reduce_scatter_via": "native"},
+    "gloo-allreduce": {"reduce_scatter_via": "all_reduce"},
+}
+
+
+def _init_gloo(comm: Any, timeout_s: float) -> None:
+    """The default gloo group over a file store whose path rank 0 broadcasts over MPI."""
+    path = None
+    if comm.Get_rank() == 0:
+        tmpdir = tempfile.mkdtemp(prefix="zero3-bench-")
+        atexit.register(shutil.rmtree, tmpdir, ignore_errors=True)
+        path = os.path.join(tmpdir, "store")
+    path = comm.bcast(path, root=0)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{path}",
+        rank=comm.Get_rank(),
+        world_size=comm.Get_size(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def make_backends(names: list[str], mpi: Any, timeout_s: float) -> dict[str, CommBackend]:
@@ -72,23 +100,13 @@ def make_backends(names: list[str], mpi: Any, timeout_s: float) -> dict[str, Com
         if name in ("mpi", "mpi-nothread"):
             # mpi-nothread: no progress thread, requests advance only inside wait().
             backends[name] = MPIBackend(timeout_s=timeout_s, progress_thread=name == "mpi")
-        elif name == "gloo":
-            path = None
-            if comm.Get_rank() == 0:
-                tmpdir = tempfile.mkdtemp(prefix="zero3-bench-")
-                atexit.register(shutil.rmtree, tmpdir, ignore_errors=True)
-                path = os.path.join(tmpdir, "store")
-            path = comm.bcast(path, root=0)
-            dist.init_process_group(
-                "gloo",
-                init_method=f"file://{path}",
-                rank=comm.Get_rank(),
-                world_size=comm.Get_size(),
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
-            backends[name] = GlooBackend(timeout_s=timeout_s)
+        elif name in GLOO_VARIANTS:
+            if not dist.is_initialized():
+                _init_gloo(comm, timeout_s)
+            backends[name] = GlooBackend(timeout_s=timeout_s, **GLOO_VARIANTS[name])
         else:
-            raise SystemExit(f"unknown backend {name!r} (choose from gloo, mpi, mpi-nothread)")
+            choices = ", ".join([*GLOO_VARIANTS, "mpi", "mpi-nothread"])
+            raise SystemExit(f"unknown backend {name!r} (choose from {choices})")
     return backends
 
 

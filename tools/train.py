@@ -54,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         launch.bootstrap_torch_env_from_mpi()
     try:
-        return train(args)
+        code = train(args)
     except (ValueError, TypeError, LookupError, RuntimeError) as exc:
         rank = os.environ.get("RANK", os.environ.get("PMI_RANK", "?"))
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    launch.leave_rank(code)  # see its Note: gloo teardown can abort a finished rank
 
 
 def _preflight(args: object, nproc: int) -> None:
