@@ -33,10 +33,8 @@ def _adamw(params: Any, w: Workload) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=w.lr)
 
 
-def _plain(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
-    """One process, no distribution (the reference, or the world-1 baseline)."""
-    model = build(w)
-    opt = _adamw(model.parameters(), w)
+def _loop_step(model: Any, opt: Any, w: Workload, rank: int, world: int) -> StepFn:
+    """One plain training step (forward, backward, optimizer step, zero_grad)."""
 
     def step(i: int) -> float:
         x, y = batch(w, i, rank, world)
@@ -46,7 +44,14 @@ def _plain(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
         opt.zero_grad()
         return float(loss)
 
-    return step, {"sharded": 0.0}
+    return step
+
+
+def _plain(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
+    """One process, no distribution (the reference, or the world-1 baseline)."""
+    model = build(w)
+    opt = _adamw(model.parameters(), w)
+    return _loop_step(model, opt, w, rank, world), {"sharded": 0.0}
 
 
 def _ddp(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
@@ -54,14 +59,7 @@ def _ddp(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
 
     model = DistributedDataParallel(build(w))
     opt = _adamw(model.parameters(), w)
-
-    def step(i: int) -> float:
-        x, y = batch(w, i, rank, world)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
+    step = _loop_step(model, opt, w, rank, world)
 
     psi = sum(p.numel() * 4 for p in model.parameters())
     return step, {
@@ -79,14 +77,7 @@ def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
         fully_shard(block)
     fully_shard(model)
     opt = _adamw(model.parameters(), w)
-
-    def step(i: int) -> float:
-        x, y = batch(w, i, rank, world)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
+    step = _loop_step(model, opt, w, rank, world)
 
     psi = sum(p.numel() * 4 for p in model.parameters())
     # Root params reshard after forward too (reshard_after_forward=True): all-gather in
@@ -106,14 +97,7 @@ def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, d
     model = build(w)
     shard_module(model, Zero3Config(backend="gloo", **config))
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
-
-    def step(i: int) -> float:
-        x, y = batch(w, i, rank, world)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return float(loss)
+    step = _loop_step(model, opt, w, rank, world)
 
     state = sharded_state(model)
     psi = sum(sp.numel for sp in state.params)
