@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,36 +28,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench.workload import Workload
+from _train.launch import free_port, rank_env
 
 WORLD2 = ["ddp", "fsdp2", "zero3", "zero3-release", "deepspeed"]
 WORLD1 = ["plain", "zero3"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(
     system: str, world: int, args: argparse.Namespace, batch: int = 4, threads: int | None = None
 ) -> dict[str, Any]:
     """Run one system on ``world`` fresh processes; return rank 0's merged result."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS=str(threads or args.threads),
-            DS_ACCELERATOR="cpu",
-            PYTHONUNBUFFERED="1",
-        )
+        env = rank_env(rank, world, port, threads or args.threads)
+        env["DS_ACCELERATOR"] = "cpu"
         cmd = [sys.executable, __file__, "--worker", system, "--layers", str(args.layers),
                "--steps", str(args.steps + args.warmup), "--batch", str(batch)]  # fmt: skip
         procs.append(

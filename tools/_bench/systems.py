@@ -47,6 +47,16 @@ def _loop_step(model: Any, opt: Any, w: Workload, rank: int, world: int) -> Step
     return step
 
 
+def _theory(numel: int, world: int, psis: int, sharded: float) -> dict[str, Any]:
+    """Result fields of a system moving ``psis`` x Psi (N-1)/N fp32 bytes per step."""
+    payload = psis * 4 * numel * (world - 1) / world
+    return {"sharded": sharded, "payload": payload, "payload_kind": "theory"}
+
+
+def _numel(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def _plain(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     """One process, no distribution (the reference, or the world-1 baseline)."""
     model = build(w)
@@ -59,14 +69,7 @@ def _ddp(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
 
     model = DistributedDataParallel(build(w))
     opt = _adamw(model.parameters(), w)
-    step = _loop_step(model, opt, w, rank, world)
-
-    psi = sum(p.numel() * 4 for p in model.parameters())
-    return step, {
-        "sharded": 0.0,
-        "payload": 2 * psi * (world - 1) / world,
-        "payload_kind": "theory",
-    }
+    return _loop_step(model, opt, w, rank, world), _theory(_numel(model), world, 2, sharded=0.0)
 
 
 def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
@@ -77,16 +80,9 @@ def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
         fully_shard(block)
     fully_shard(model)
     opt = _adamw(model.parameters(), w)
-    step = _loop_step(model, opt, w, rank, world)
-
-    psi = sum(p.numel() * 4 for p in model.parameters())
     # Root params reshard after forward too (reshard_after_forward=True): all-gather in
     # forward and backward, reduce-scatter in backward.
-    return step, {
-        "sharded": 1.0,
-        "payload": 3 * psi * (world - 1) / world,
-        "payload_kind": "theory",
-    }
+    return _loop_step(model, opt, w, rank, world), _theory(_numel(model), world, 3, sharded=1.0)
 
 
 def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, dict[str, Any]]:
@@ -143,12 +139,7 @@ def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, An
 
     big = sum(p.ds_numel for p in model.parameters() if p.ds_numel > 100_000)
     total = sum(p.ds_numel for p in model.parameters())
-    psi = total * 4
-    return step, {
-        "sharded": big / total,
-        "payload": 3 * psi * (world - 1) / world,
-        "payload_kind": "theory",
-    }
+    return step, _theory(total, world, 3, sharded=big / total)
 
 
 SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]] = {

@@ -66,7 +66,7 @@ def bootstrap_torch_env_from_mpi() -> None:
             address = socket.gethostbyname(host)
         except OSError:
             address = "127.0.0.1"
-        announced: tuple[str, int] | None = (address, _free_port())
+        announced: tuple[str, int] | None = (address, free_port())
     else:
         announced = None
     address, port = comm.bcast(announced, root=0)
@@ -82,10 +82,27 @@ def bootstrap_torch_env_from_mpi() -> None:
     node.Free()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
+    """This process's environment plus torchrun's variables for one local rank."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
 
 
 def self_launch(world_size: int, argv: list[str]) -> int:
@@ -96,20 +113,10 @@ def self_launch(world_size: int, argv: list[str]) -> int:
     stopped, so a failure never leaves processes hanging.
     """
     threads = max(1, usable_cores() // world_size)
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[Any]] = []
     for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS=str(threads),
-            PYTHONUNBUFFERED="1",
-        )
+        env = rank_env(rank, world_size, port, threads)
         env[CHILD_FLAG] = "1"
         procs.append(subprocess.Popen([sys.executable, *argv], env=env))
     try:
