@@ -252,3 +252,40 @@ def _in_place_all_gather(native: bool) -> list[float]:
 def test_in_place_all_gather(worker_pool, native):
     for result in worker_pool(2).run(_in_place_all_gather, native):
         assert result == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def _duplicates_in_a_row(subgroup: bool) -> list[float]:
+    """Create, use and close duplicates again and again, rank 0 always arriving late.
+
+    A late rank 0 is the case that broke CI: a re-created group took its store keys from
+    the group closed before it and the peer dialled a listener that no longer existed.
+    """
+    import torch.distributed as dist
+
+    world = GlooBackend(timeout_s=20)
+    members = [0, 1] if subgroup else list(range(world.world_size))
+    # new_group without local synchronization is collective over the whole world.
+    group = dist.new_group(members) if subgroup else None
+    sums: list[float] = []
+    if world.rank not in members:
+        return sums
+    parent = GlooBackend(group=group, timeout_s=20) if subgroup else world
+    for round_ in range(4):
+        if parent.rank == 0 and round_ > 0:
+            time.sleep(0.5)
+        twin = parent.duplicate()
+        t = torch.tensor([float(twin.rank + round_)])
+        twin.all_reduce(t).wait()
+        sums.append(float(t))
+        twin.close()
+    return sums
+
+
+@pytest.mark.parametrize(("world_size", "subgroup"), [(2, False), (4, True)])
+def test_duplicates_can_be_recreated_after_close(worker_pool, world_size, subgroup):
+    results = worker_pool(world_size).run(_duplicates_in_a_row, subgroup, timeout=90)
+    for rank, sums in enumerate(results):
+        if subgroup and rank >= 2:
+            assert sums == []
+        else:
+            assert sums == [1.0, 3.0, 5.0, 7.0], (rank, sums)

@@ -187,17 +187,30 @@ class TorchDistBackend(CommBackend):
         """Hook for device backends (select the local device before init)."""
 
     def duplicate(self) -> TorchDistBackend:
-        # Only the group's own ranks take part (use_local_synchronization), so this works
-        # for subgroups too; it is collective over them.
+        """Open a second group over the same ranks (collective over them).
+
+        Note:
+            torch names a new group after a counter when every rank of the world takes
+            part, but after its ranks and the number of live groups when only the
+            group's own ranks do (``use_local_synchronization``); and destroying a group
+            leaves its rendezvous keys in the store. A local-synchronization group that
+            is destroyed and made again therefore gets the old name, and a peer that
+            arrives first reads the old listener's address and fails with "Connection
+            refused" (seen in CI as a flaky ``connectFullMesh`` failure). So a duplicate
+            of the whole world takes the counter name (every rank is here: the call is
+            collective over the world) and may be destroyed by :meth:`close`; a duplicate
+            of a subgroup keeps the local name and lives until the world is destroyed.
+        """
         ranks = dist.get_process_group_ranks(self.group)
+        whole_world = len(ranks) == dist.get_world_size()
         group = dist.new_group(
             ranks=ranks,
             timeout=datetime.timedelta(seconds=self.timeout_s),
             backend=self.dist_backend,
-            use_local_synchronization=True,
+            use_local_synchronization=not whole_world,
         )
         twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
-        twin._owns_subgroup = True
+        twin._owns_subgroup = whole_world
         return twin
 
     def _options(self) -> dict[str, Any]:
