@@ -42,3 +42,27 @@ def test_bench_runs_and_reports_every_system():
     gathers = re.findall(r"^(\S+): (\d+) gathers \+ (\d+) reductions", result.stdout, re.M)
     counts = {name: (int(g), int(r)) for name, g, r in gathers}
     assert all(g > 0 and r > 0 for g, r in counts.values()), counts
+
+
+def test_bench_profile_reports_zero3_phases():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
+    }
+    cmd = [
+        sys.executable, str(ROOT / "tools" / "bench.py"), "--layers", "1", "--rounds", "1",
+        "--steps", "1", "--warmup", "1", "--systems", "zero3", "--profile",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    phases = dict(
+        re.findall(r"^\| ((?:gather|reduce|optimizer)[^|]*?) \| ([\d.]+) \|", result.stdout, re.M)
+    )
+    for phase in (
+        "gather: copy out into parameters",
+        "reduce: gradient into bucket",
+        "optimizer step (incl. AdamW)",
+    ):
+        assert float(phases[phase]) > 0, result.stdout
+    assert "largest engine self times" in result.stdout

@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench.py --world1             # zero3 vs plain PyTorch at world 1
     .venv/bin/python tools/bench.py --layers 16 --systems ddp,zero3,zero3-release
     .venv/bin/python tools/bench.py --world 4 --steps 2 --systems zero3,zero3-release  # bytes
+    .venv/bin/python tools/bench.py --rounds 1 --systems ddp,zero3 --profile  # phases
 
 Every (system, round) runs in fresh processes (so peak RSS is that system's), with one
 thread per rank. Per round, each system's median step time of the slowest rank; the
@@ -45,6 +46,8 @@ def launch(
         env["DS_ACCELERATOR"] = "cpu"
         cmd = [sys.executable, __file__, "--worker", system, "--layers", str(args.layers),
                "--steps", str(args.steps + args.warmup), "--batch", str(batch)]  # fmt: skip
+        if args.profile and system.startswith("zero3"):
+            cmd += ["--profile-after", str(args.warmup)]
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -92,6 +95,28 @@ def _row(
     )
 
 
+def _phases(name: str, runs: list[dict[str, Any]]) -> str:
+    """Rank 0's profiled phase times, median over rounds, against the profiled step."""
+    step_ms = 1000 * statistics.median(t for r in runs for t in r["timed"])
+    lines = [f"\n{name} under cProfile (rank 0, ms per step; step {step_ms:.0f} ms):", ""]
+    lines += ["| phase | ms/step | share of step |", "|---|---|---|"]
+    labels = sorted({k for r in runs for k in r["phases_ms"]})
+    for label in labels:
+        ms = statistics.median(r["phases_ms"].get(label, 0.0) for r in runs)
+        lines.append(f"| {label} | {ms:.1f} | {100 * ms / step_ms:.1f}% |")
+    python_ms = statistics.median(r["engine_python_ms"] for r in runs)
+    lines.append(
+        f"| engine Python (self time of every zero3 function) | {python_ms:.1f} "
+        f"| {100 * python_ms / step_ms:.1f}% |"
+    )
+    top = runs[-1]["engine_python_top_ms"]
+    lines.append(
+        "\nlargest engine self times (last round, ms/step): "
+        + ", ".join(f"{where} {ms:.1f}" for where, ms in top.items())
+    )
+    return "\n".join(lines)
+
+
 def report(
     results: dict[str, list[dict[str, Any]]], base: str, ref: list[float], title: str
 ) -> str:
@@ -111,6 +136,8 @@ def report(
         lines.append(_row(name, runs, results.get(base) if name != base else None, ref))
     for name, runs in results.items():
         last = runs[-1] if runs else {}
+        if "phases_ms" in last:
+            lines.append(_phases(name, runs))
         if "gathers" in last:
             lines.append(
                 f"\n{name}: {last['gathers']} gathers + {last['reductions']} reductions per step, "
@@ -137,6 +164,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile zero3's timed steps (cProfile, rank 0) and print where the time goes",
+    )
+    p.add_argument("--profile-after", type=int, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -145,7 +178,8 @@ def main() -> None:
     if args.worker:
         from _bench import systems
 
-        systems.main(args.worker, Workload(layers=args.layers, batch=args.batch), args.steps)
+        workload = Workload(layers=args.layers, batch=args.batch)
+        systems.main(args.worker, workload, args.steps, args.profile_after)
         return
     world = 1 if args.world1 else args.world
     names = WORLD1 if args.world1 else args.systems.split(",")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from _bench import phases
 from _bench.workload import Workload, batch, build
 
 StepFn = Callable[[int], float]
@@ -170,8 +171,12 @@ def lookup(system: str) -> Callable[[Workload, int, int], tuple[StepFn, dict[str
     return lambda w, r, n: _zero3(w, r, n, **config)
 
 
-def run(system: str, w: Workload, steps: int) -> dict[str, Any]:
-    """Run ``steps`` training steps of ``system`` on this rank; rank 0 returns the results."""
+def run(system: str, w: Workload, steps: int, profile_after: int | None = None) -> dict[str, Any]:
+    """Run ``steps`` training steps of ``system`` on this rank; rank 0 returns the results.
+
+    With ``profile_after``, the steps after that many run under cProfile and the result
+    gets this rank's phase times (:mod:`_bench.phases`).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -184,7 +189,10 @@ def run(system: str, w: Workload, steps: int) -> dict[str, Any]:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     step_fn, info = lookup(system)(w, rank, world)
     times, losses, cpu, faults = [], [], [], []
+    profiler = None
     for i in range(steps):
+        if i == profile_after:
+            profiler = phases.start()
         before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         loss = step_fn(i)
@@ -197,6 +205,8 @@ def run(system: str, w: Workload, steps: int) -> dict[str, Any]:
         losses.append(loss)
     extra = info.pop("info")() if "info" in info else {}
     extra.update(info)
+    if profiler is not None:
+        extra.update(phases.summarize(profiler, steps - (profile_after or 0)))
     del step_fn, info  # the engine (and its gradient group) goes before the default group
     gc.collect()
     result = {
@@ -222,9 +232,9 @@ def run(system: str, w: Workload, steps: int) -> dict[str, Any]:
     return merged
 
 
-def main(system: str, w: Workload, steps: int) -> None:
+def main(system: str, w: Workload, steps: int, profile_after: int | None = None) -> None:
     """Worker entry: print rank 0's result as one JSON line."""
-    result = run(system, w, steps)
+    result = run(system, w, steps, profile_after)
     if int(os.environ.get("RANK", "0")) == 0:
         print("BENCH_RESULT " + json.dumps(result), flush=True)
     sys.stderr.flush()

@@ -65,7 +65,7 @@ def model_state_bytes(model: nn.Module, opt: PartitionedOptimizer) -> tuple[int,
     held_tensors += [sp.param for sp in state.params if sp.persistent]
     masters = [v for sg in opt._subgroups for v in sg.views]
     opt_state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    grads = list(state.reducer.partition_buffers().values())
+    grads = state.reducer.grad_buffers()
     held = _bytes(held_tensors + masters + opt_state + grads)
     psi = sum(sp.numel for sp in state.params)
     local = max(1, sum(m.numel() for m in masters))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from zero3.comm import create_backend
-from zero3.core import Zero3Config, local_grad
+from zero3.core import Zero3Config, local_grad, sharded_state
 from zero3.hooks import ShardedModule, set_leaf_modules, shard_module, stats, unshard_module
 from zero3.testing.recording import RecordingBackend
 
@@ -32,6 +32,10 @@ def test_world_of_one_keeps_parameters_whole_and_matches():
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
         assert p.grad is None and torch.allclose(local_grad(p), q.grad.reshape(-1))
     assert stats(model).gathers == 0 and stats(model).reduce_collectives == 0
+    # Each gradient is kept as autograd produced it, not copied into a flat buffer.
+    kept = sharded_state(model).reducer.grad_buffers()
+    assert len(kept) == len(list(model.parameters()))
+    assert {t.data_ptr() for t in kept} == {local_grad(p).data_ptr() for p in model.parameters()}
     unshard_module(model)
     assert not isinstance(model, ShardedModule)
     assert torch.allclose(model(x), ref)

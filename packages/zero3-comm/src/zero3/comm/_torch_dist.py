@@ -456,15 +456,15 @@ class GlooBackend(TorchDistBackend):
         work = self._issue("reduce_scatter", (output, input), stream, launch)
 
         def combine() -> None:
-            if output.data_ptr() != chunks[rank].data_ptr():
+            # The first received chunk combines with this rank's own straight into the
+            # output: one pass over it instead of a copy and then a reduction.
+            fold = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}.get(op, torch.add)
+            if world == 1:
                 output.copy_(chunks[rank])
-            for part in received:
-                if op in (ReduceOp.SUM, ReduceOp.AVG):
-                    output.add_(part)
-                elif op is ReduceOp.MAX:
-                    torch.maximum(output, part, out=output)
-                else:
-                    torch.minimum(output, part, out=output)
+            else:
+                fold(chunks[rank], received[0], out=output)
+            for part in received[1:]:
+                fold(output, part, out=output)
             if op is ReduceOp.AVG:
                 if output.is_floating_point():
                     output.div_(world)

@@ -98,6 +98,8 @@ class GradReducer:
         self.reduce_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
         self.tracer: Tracer | None = None
         self._partitions: dict[torch.dtype, torch.Tensor] = {}
+        #: A world of one: each parameter's gradient for the window, kept as produced.
+        self._alone: dict[int, torch.Tensor] = {}
         self.replan(leaf_of)
 
     def replan(self, leaf_of: Mapping[int, int]) -> None:
@@ -115,6 +117,7 @@ class GradReducer:
             for k, sp in enumerate(bucket.params):
                 self._bucket_of[sp.index] = (bucket, k)
         self._partitions.clear()
+        self._alone.clear()
         n = len(self.params)
         self._window_flags = torch.zeros(n, dtype=torch.bool)
         self._reset_backward()
@@ -164,19 +167,22 @@ class GradReducer:
         position = self._position.get(sp.index)
         if position is None or not bool(self._window_flags[position]):
             return None
+        if self.comm.world_size == 1:
+            return self._alone[sp.index]
         bucket, k = self._bucket_of[sp.index]
         buf = self._partition(bucket.dtype, sp.shard.device)
         start = bucket.partition_offset + bucket.offsets[k]
         return buf[start : start + sp.shard_numel]
 
-    def partition_buffers(self) -> dict[torch.dtype, torch.Tensor]:
-        """The gradient-partition buffers (one per reduce dtype)."""
-        return dict(self._partitions)
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's gradient shards (for memory accounting)."""
+        return [*self._partitions.values(), *self._alone.values()]
 
     def end_window(self) -> None:
         """End the accumulation window (optimizer step or ``zero_grad``)."""
         self.micro_step = 0
         self._window_flags.zero_()
+        self._alone.clear()
 
     # -- arrivals -------------------------------------------------------------------------
 
@@ -211,15 +217,18 @@ class GradReducer:
             self._launch_ready()
 
     def _accumulate_alone(self, sp: ShardedParam, position: int, grad: torch.Tensor) -> None:
-        """A world of one: the gradient goes straight into its shard (no collective)."""
-        bucket, k = self._bucket_of[sp.index]
-        buf = self._partition(bucket.dtype, grad.device)
-        start = bucket.partition_offset + bucket.offsets[k]
-        shard = buf[start : start + sp.shard_numel].view(grad.shape)
-        if self.micro_step or self._arrived[position]:
-            shard.add_(grad)
+        """A world of one: the gradient is its own shard (no collective, no copy).
+
+        The hook has taken the gradient off the parameter, so zero3 owns the tensor and
+        keeps it for the window (as plain PyTorch keeps ``param.grad``); copying it into
+        a partition buffer would add a pass over every gradient byte to each backward.
+        """
+        dtype = self._bucket_of[sp.index][0].dtype
+        kept = self._alone.get(sp.index)
+        if kept is None:
+            self._alone[sp.index] = grad.detach().reshape(-1).to(dtype)
         else:
-            shard.copy_(grad)
+            kept.add_(grad.reshape(-1))
         self._arrived[position] = 1
 
     def leaf_done(self, leaf_index: int) -> None:
