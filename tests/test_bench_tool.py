@@ -60,7 +60,8 @@ def test_bench_profile_reports_zero3_phases():
         re.findall(r"^\| ((?:gather|reduce|optimizer)[^|]*?) \| ([\d.]+) \|", result.stdout, re.M)
     )
     for phase in (
-        "gather: copy out into parameters",
+        "gather: issue (own shard into its parameter)",
+        "gather: wait + install (incl. copy out)",
         "reduce: gradient into bucket",
         "optimizer step (incl. AdamW)",
     ):

@@ -289,3 +289,49 @@ def test_duplicates_can_be_recreated_after_close(worker_pool, world_size, subgro
             assert sums == []
         else:
             assert sums == [1.0, 3.0, 5.0, 7.0], (rank, sums)
+
+
+def _parts_of(rank: int) -> list[torch.Tensor]:
+    """Rank-dependent parts: sizes differ between ranks, dtypes between parts."""
+    return [
+        torch.arange(rank + 1, dtype=torch.float32) + 10 * rank,
+        torch.full((3,), rank, dtype=torch.uint8),
+        torch.arange(2 * rank, dtype=torch.int64),  # empty on rank 0
+        torch.tensor([rank + 0.5], dtype=torch.bfloat16),
+    ]
+
+
+def _gather_parts(default: bool) -> list[list[list[float]]]:
+    from zero3.comm import CommBackend
+
+    comm = GlooBackend(timeout_s=20)
+    rank, world = comm.rank, comm.world_size
+    outputs = [[torch.full_like(t, 99) for t in _parts_of(r)] for r in range(world)]
+    inputs = _parts_of(rank)
+    outputs[rank][0] = inputs[0]  # in place: this rank's part is its own destination
+    gather = CommBackend.all_gather_parts if default else GlooBackend.all_gather_parts
+    gather(comm, outputs, inputs).wait()
+    for r in range(world):
+        for got, want in zip(outputs[r], _parts_of(r), strict=True):
+            assert torch.equal(got, want), (rank, r, got, want)
+    errors = []
+    for bad_outputs, bad_inputs in (
+        (outputs[:-1], inputs),  # one list per rank is missing
+        ([row[:-1] for row in outputs], inputs),  # fewer parts than this rank sends
+        (outputs, [torch.zeros(7), *inputs[1:]]),  # own part's size differs
+    ):
+        try:
+            gather(comm, bad_outputs, bad_inputs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("default", [False, True], ids=["direct", "packed-default"])
+def test_all_gather_parts(worker_pool, world_size, default):
+    for errors in worker_pool(world_size).run(_gather_parts, default):
+        assert len(errors) == 3, errors
+        assert "one list per rank" in errors[0]
+        assert "every rank sends the same number of parts" in errors[1]
+        assert "input part 0 has 28 bytes" in errors[2]

@@ -12,7 +12,14 @@ from zero3.comm._stream import Stream
 from zero3.comm._types import Capabilities, ReduceOp, UnsupportedDTypeError
 from zero3.comm._work import ThenWork, Work
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommBackend"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommBackend", "byte_view"]
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat ``uint8`` view."""
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
 
 #: Default collective timeout in seconds. Short on purpose: a stuck peer should surface as an
 #: error naming the collective within minutes, not after torch's 30-minute default.
@@ -242,6 +249,84 @@ class CommBackend(abc.ABC):
                 out.view(-1).copy_(chunk)
 
         return ThenWork(work, unpack)
+
+    def all_gather_parts(
+        self,
+        outputs: Sequence[Sequence[torch.Tensor]],
+        inputs: Sequence[torch.Tensor],
+        *,
+        stream: Stream | None = None,
+    ) -> Work:
+        """All-gather lists of parts, each rank's parts straight into their destinations.
+
+        Rank ``r`` contributes its ``inputs``; ``outputs[r][j]`` receives rank ``r``'s
+        ``inputs[j]``. Only bytes move: a part's size may differ between ranks (each
+        ``outputs[r][j]`` has the byte size of rank ``r``'s part) and parts may differ in
+        dtype. ``outputs[rank][j]`` may be ``inputs[j]`` itself. zero3 gathers parameters
+        with it, the destinations being views of the parameters' full storages.
+
+        The default packs this rank's parts into one byte chunk (as long as the longest
+        rank's), gathers the chunks in one collective and copies every part out on
+        wait. Backends with point-to-point messages send each part straight into its
+        destination instead (no pack, no copy-out) and say so with
+        ``capabilities.direct_gather_parts``.
+        """
+        sizes = self._check_parts(outputs, inputs)
+        chunk = max(sum(row) for row in sizes)
+        device = inputs[0].device
+        recv = torch.empty(self.world_size * chunk, dtype=torch.uint8, device=device)
+        rows = recv.view(self.world_size, chunk)
+        cursor = 0
+        for part in inputs:
+            n = part.numel() * part.element_size()
+            rows[self.rank, cursor : cursor + n].copy_(byte_view(part))
+            cursor += n
+        work = self.all_gather(recv, rows[self.rank], stream=stream)
+
+        def unpack() -> None:
+            for r, parts in enumerate(outputs):
+                offset = 0
+                for j, (out, n) in enumerate(zip(parts, sizes[r], strict=True)):
+                    if n and (r != self.rank or out.data_ptr() != inputs[j].data_ptr()):
+                        byte_view(out).copy_(rows[r, offset : offset + n])
+                    offset += n
+
+        return ThenWork(work, unpack)
+
+    def _check_parts(
+        self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]
+    ) -> list[list[int]]:
+        """Validate :meth:`all_gather_parts` arguments; return each rank's part bytes."""
+        what = "all_gather_parts"
+        if len(outputs) != self.world_size:
+            raise ValueError(
+                f"{self.name}.{what}: outputs must hold one list per rank ({self.world_size}), "
+                f"got {len(outputs)}"
+            )
+        if not inputs:
+            raise ValueError(f"{self.name}.{what}: empty list of parts")
+        sizes = []
+        for r, parts in enumerate(outputs):
+            if len(parts) != len(inputs):
+                raise ValueError(
+                    f"{self.name}.{what}: rank {r}'s output list has {len(parts)} parts but "
+                    f"this rank sends {len(inputs)}; every rank sends the same number of parts"
+                )
+            for out in parts:
+                self._check_output(out, what, out.dtype)
+            sizes.append([t.numel() * t.element_size() for t in parts])
+        for j, part in enumerate(inputs):
+            self._check_device(part, what)
+            if not part.is_contiguous():
+                raise ValueError(f"{self.name}.{what}: input part {j} is not contiguous")
+            mine = outputs[self.rank][j]
+            if part.numel() * part.element_size() != sizes[self.rank][j]:
+                raise ValueError(
+                    f"{self.name}.{what}: input part {j} has "
+                    f"{part.numel() * part.element_size()} bytes but its place in "
+                    f"outputs[{self.rank}] has {mine.numel() * mine.element_size()}"
+                )
+        return sizes
 
     # -- primitives subclasses implement ----------------------------------------
 

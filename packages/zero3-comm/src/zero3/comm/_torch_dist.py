@@ -8,13 +8,13 @@ import datetime
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
+from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend, byte_view
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
     FLOAT_DTYPES,
@@ -347,6 +347,7 @@ class GlooBackend(TorchDistBackend):
         reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
         needs_progress_helper=False,
         async_host=True,
+        direct_gather_parts=True,
     )
 
     def __init__(
@@ -430,6 +431,49 @@ class GlooBackend(TorchDistBackend):
 
         return ThenWork(work, keep_mine)
 
+    def _take_tags(self, n: int) -> int:
+        """The first of ``n`` consecutive message tags for one point-to-point call.
+
+        Every rank issues its exchanges in the same order, so the tags pair each
+        message with its own call (and part) even when several calls are in flight.
+        """
+        tag = self._exchange_tag
+        self._exchange_tag = (self._exchange_tag + n) % (1 << 24)
+        return tag
+
+    def all_gather_parts(
+        self,
+        outputs: Sequence[Sequence[torch.Tensor]],
+        inputs: Sequence[torch.Tensor],
+        *,
+        stream: Stream | None = None,
+    ) -> Work:
+        """Send each part straight to every peer and receive each peer's part straight
+        into its destination (one message per part and peer; see the base class).
+        """
+        sizes = self._check_parts(outputs, inputs)
+        world, rank = self.world_size, self.rank
+        for out, part in zip(outputs[rank], inputs, strict=True):
+            if out.numel() and out.data_ptr() != part.data_ptr():
+                byte_view(out).copy_(byte_view(part))
+        first = self._take_tags(len(inputs))
+
+        def launch() -> _AllOf:
+            works = []
+            for k in range(1, world):
+                to = dist.get_global_rank(self.group, (rank + k) % world)
+                src = (rank - k) % world
+                source = dist.get_global_rank(self.group, src)
+                for j, part in enumerate(inputs):
+                    if part.numel():
+                        works.append(dist.isend(byte_view(part), to, self.group, first + j))
+                    if sizes[src][j]:
+                        out = byte_view(outputs[src][j])
+                        works.append(dist.irecv(out, source, self.group, first + j))
+            return _AllOf(works)
+
+        return self._issue("all_gather_parts", tuple(inputs), stream, launch)
+
     def _reduce_scatter_exchange(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, stream: Stream | None
     ) -> Work:
@@ -441,8 +485,7 @@ class GlooBackend(TorchDistBackend):
         received = torch.empty((world - 1, chunks.shape[1]), dtype=input.dtype)
         # Every rank issues its reduce-scatters in the same order, so a per-call tag
         # pairs each message with its own call even when several are in flight.
-        tag = self._exchange_tag
-        self._exchange_tag = (self._exchange_tag + 1) % (1 << 24)
+        tag = self._take_tags(1)
 
         def launch() -> _AllOf:
             works = []
