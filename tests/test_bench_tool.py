@@ -62,7 +62,7 @@ def test_bench_profile_reports_zero3_phases():
     for phase in (
         "gather: issue (own shard into its parameter)",
         "gather: wait + install (incl. copy out)",
-        "reduce: gradient into bucket",
+        "reduce: issue from autograd's gradients",
         "optimizer step (incl. AdamW)",
     ):
         assert float(phases[phase]) > 0, result.stdout

@@ -335,3 +335,64 @@ def test_all_gather_parts(worker_pool, world_size, default):
         assert "one list per rank" in errors[0]
         assert "every rank sends the same number of parts" in errors[1]
         assert "input part 0 has 28 bytes" in errors[2]
+
+
+def _sizes_for(r: int) -> list[int]:
+    """Rank r's part sizes: they differ between ranks, and rank 0's middle part is empty."""
+    return [r + 2, 0 if r == 0 else 3, 4]
+
+
+def _contribution(src: int, dst: int, j: int, n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) + 100 * src + 10 * dst + j
+
+
+def _reduce_parts(default: bool) -> list[str]:
+    from zero3.comm import CommBackend
+
+    comm = GlooBackend(timeout_s=20)
+    rank, world = comm.rank, comm.world_size
+    reduce = CommBackend.reduce_scatter_parts if default else GlooBackend.reduce_scatter_parts
+    for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+        inputs = [
+            [_contribution(rank, r, j, n) for j, n in enumerate(_sizes_for(r))]
+            for r in range(world)
+        ]
+        for row in inputs:  # the last parts as strided views: sent as their values
+            spread = torch.zeros(2 * row[2].numel())
+            spread[::2] = row[2]
+            row[2] = spread[::2]
+        outputs = [torch.full((n,), -1.0) for n in _sizes_for(rank)]
+        reduce(comm, outputs, inputs, op=op).wait()
+        for j, n in enumerate(_sizes_for(rank)):
+            stacked = torch.stack([_contribution(q, rank, j, n) for q in range(world)])
+            want = {
+                ReduceOp.SUM: stacked.sum(0),
+                ReduceOp.AVG: stacked.mean(0),
+                ReduceOp.MAX: stacked.amax(0),
+            }[op]
+            assert torch.allclose(outputs[j], want), (op, rank, j, outputs[j], want)
+    outputs = [torch.zeros(n) for n in _sizes_for(rank)]
+    good = [[torch.zeros(n) for n in _sizes_for(r)] for r in range(world)]
+    errors = []
+    for bad_outputs, bad_inputs in (
+        (outputs, good[:-1]),  # one list per rank is missing
+        (outputs, [row[:-1] for row in good]),  # fewer parts than outputs
+        ([torch.zeros(9), *outputs[1:]], good),  # own part's size differs
+        (outputs, [[t.double() for t in row] for row in good]),  # another dtype
+    ):
+        try:
+            reduce(comm, bad_outputs, bad_inputs)
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("default", [False, True], ids=["direct", "packed-default"])
+def test_reduce_scatter_parts(worker_pool, world_size, default):
+    for errors in worker_pool(world_size).run(_reduce_parts, default):
+        assert len(errors) == 4, errors
+        assert "one list per rank" in errors[0]
+        assert "every rank reduces the same parts" in errors[1]
+        assert "outputs[0] has 9" in errors[2]
+        assert "reduce one dtype per call" in errors[3]

@@ -293,6 +293,87 @@ class CommBackend(abc.ABC):
 
         return ThenWork(work, unpack)
 
+    def reduce_scatter_parts(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[Sequence[torch.Tensor]],
+        *,
+        op: ReduceOp = ReduceOp.AVG,
+        stream: Stream | None = None,
+    ) -> Work:
+        """Reduce-scatter lists of parts, each part sent from where it lies.
+
+        ``inputs[r][j]`` is this rank's contribution to rank ``r``'s ``outputs[j]``;
+        ``outputs[j]`` receives the reduction over ranks of their ``inputs[rank][j]``. A
+        part's size may differ between ranks (``inputs[r][j]`` has the size of rank
+        ``r``'s ``outputs[j]``); every tensor has one dtype. zero3 reduces gradients
+        with it, the inputs being slices of the gradients autograd produced.
+
+        The default packs the parts rank-major into one buffer (every rank region as
+        long as the longest), reduce-scatters it in one collective and copies the parts
+        out on wait. Backends with point-to-point messages send every part straight
+        from its tensor and say so with ``capabilities.direct_reduce_parts``.
+        """
+        sizes = self._check_reduce_parts(outputs, inputs, op)
+        region = max(sum(row) for row in sizes)
+        send = outputs[0].new_zeros(self.world_size, region)
+        for r, parts in enumerate(inputs):
+            cursor = 0
+            for part in parts:
+                send[r, cursor : cursor + part.numel()].copy_(part.reshape(-1))
+                cursor += part.numel()
+        recv = send.new_empty(region)
+        work = self.reduce_scatter(recv, send.view(-1), op=op, stream=stream)
+
+        def unpack() -> None:
+            cursor = 0
+            for out in outputs:
+                out.view(-1).copy_(recv[cursor : cursor + out.numel()])
+                cursor += out.numel()
+
+        return ThenWork(work, unpack)
+
+    def _check_reduce_parts(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[Sequence[torch.Tensor]],
+        op: ReduceOp,
+    ) -> list[list[int]]:
+        """Validate :meth:`reduce_scatter_parts` arguments; return each rank's part sizes."""
+        what = "reduce_scatter_parts"
+        if len(inputs) != self.world_size:
+            raise ValueError(
+                f"{self.name}.{what}: inputs must hold one list per rank ({self.world_size}), "
+                f"got {len(inputs)}"
+            )
+        if not outputs:
+            raise ValueError(f"{self.name}.{what}: empty list of parts")
+        dtype = outputs[0].dtype
+        self._check_reduce(dtype, op, what)
+        for out in outputs:
+            self._check_output(out, what, dtype)
+        sizes = []
+        for r, parts in enumerate(inputs):
+            if len(parts) != len(outputs):
+                raise ValueError(
+                    f"{self.name}.{what}: the input list for rank {r} has {len(parts)} parts "
+                    f"but there are {len(outputs)} outputs; every rank reduces the same parts"
+                )
+            for j, part in enumerate(parts):
+                self._check_device(part, what)
+                if part.dtype != dtype:
+                    raise TypeError(
+                        f"{self.name}.{what}: input part {j} for rank {r} is {part.dtype}, "
+                        f"the outputs are {dtype}; reduce one dtype per call"
+                    )
+                if r == self.rank and part.numel() != outputs[j].numel():
+                    raise ValueError(
+                        f"{self.name}.{what}: this rank's own input part {j} has "
+                        f"{part.numel()} elements but outputs[{j}] has {outputs[j].numel()}"
+                    )
+            sizes.append([t.numel() for t in parts])
+        return sizes
+
     def _check_parts(
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor]
     ) -> list[list[int]]:

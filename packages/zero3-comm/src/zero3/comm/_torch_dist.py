@@ -307,6 +307,33 @@ class _AllOf:
         return all(work.is_completed() for work in self._works)
 
 
+def _combine(
+    op: ReduceOp,
+    own: torch.Tensor,
+    received: Sequence[torch.Tensor],
+    output: torch.Tensor,
+    world: int,
+) -> None:
+    """``output`` = ``op`` over this rank's ``own`` part and the ``received`` ones.
+
+    The first received part combines with the own one straight into the output: one
+    pass over it instead of a copy and then a reduction.
+    """
+    fold = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}.get(op, torch.add)
+    if not received:
+        if output.data_ptr() != own.data_ptr():
+            output.copy_(own)
+    else:
+        fold(own, received[0], out=output)
+    for part in received[1:]:
+        fold(output, part, out=output)
+    if op is ReduceOp.AVG:
+        if output.is_floating_point():
+            output.div_(world)
+        else:
+            output.div_(world, rounding_mode="trunc")
+
+
 class GlooBackend(TorchDistBackend):
     """torch.distributed's gloo on CPU tensors.
 
@@ -317,13 +344,17 @@ class GlooBackend(TorchDistBackend):
         group: A process group (default: the default group, initialized if needed).
         timeout_s: Collective timeout.
         all_gather_via: ``"broadcast"`` (default): one broadcast per rank, straight into
-            the output; ``"native"``: gloo's all-gather.
+            the output, and :meth:`all_gather_parts` by point-to-point messages straight
+            into each part's destination; ``"native"``: gloo's all-gather (and the
+            packed default for parts).
         reduce_scatter_via: ``"exchange"`` (default): every rank sends chunk ``r`` of
             its input straight to rank ``r`` and sums the ``N - 1`` chunks it receives
             (point-to-point, ``(N-1)/N`` of the input on the wire, the least a
             reduce-scatter can move); ``"all_reduce"``: all-reduce a copy of the input
             and keep this rank's chunk (twice the bytes; core then reduces gradients with
             its all-reduce path and counts them so); ``"native"``: gloo's reduce-scatter.
+            With ``"exchange"``, :meth:`reduce_scatter_parts` sends every part from
+            where it lies; otherwise it packs the parts (the base class's way).
         **kwargs: ``init_method``, ``rank``, ``world_size`` as for
             :class:`TorchDistBackend`.
 
@@ -348,6 +379,7 @@ class GlooBackend(TorchDistBackend):
         needs_progress_helper=False,
         async_host=True,
         direct_gather_parts=True,
+        direct_reduce_parts=True,
     )
 
     def __init__(
@@ -371,8 +403,13 @@ class GlooBackend(TorchDistBackend):
         super().__init__(group, timeout_s=timeout_s, **kwargs)
         self.all_gather_via = all_gather_via
         self.reduce_scatter_via = reduce_scatter_via
+        # The point-to-point part collectives belong to the default ways; the other
+        # options keep gloo's own collectives for comparison.
         self.capabilities = dataclasses.replace(
-            type(self).capabilities, native_reduce_scatter=reduce_scatter_via != "all_reduce"
+            type(self).capabilities,
+            native_reduce_scatter=reduce_scatter_via != "all_reduce",
+            direct_gather_parts=all_gather_via == "broadcast",
+            direct_reduce_parts=reduce_scatter_via == "exchange",
         )
         self._exchange_tag = 0
 
@@ -451,6 +488,8 @@ class GlooBackend(TorchDistBackend):
         """Send each part straight to every peer and receive each peer's part straight
         into its destination (one message per part and peer; see the base class).
         """
+        if not self.capabilities.direct_gather_parts:
+            return super().all_gather_parts(outputs, inputs, stream=stream)
         sizes = self._check_parts(outputs, inputs)
         world, rank = self.world_size, self.rank
         for out, part in zip(outputs[rank], inputs, strict=True):
@@ -497,21 +536,49 @@ class GlooBackend(TorchDistBackend):
             return _AllOf(works)
 
         work = self._issue("reduce_scatter", (output, input), stream, launch)
+        return ThenWork(work, lambda: _combine(op, chunks[rank], list(received), output, world))
+
+    def reduce_scatter_parts(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[Sequence[torch.Tensor]],
+        *,
+        op: ReduceOp = ReduceOp.AVG,
+        stream: Stream | None = None,
+    ) -> Work:
+        """Send every part straight from its tensor to its rank and reduce the parts
+        that arrive into the outputs (one message per part and peer; see the base class).
+        """
+        if not self.capabilities.direct_reduce_parts:
+            return super().reduce_scatter_parts(outputs, inputs, op=op, stream=stream)
+        self._check_reduce_parts(outputs, inputs, op)
+        world, rank = self.world_size, self.rank
+        bounds = [0]
+        for out in outputs:
+            bounds.append(bounds[-1] + out.numel())
+        received = outputs[0].new_empty(world - 1, bounds[-1])
+        sending = [[p if p.is_contiguous() else p.contiguous() for p in row] for row in inputs]
+        first = self._take_tags(len(outputs))
+
+        def launch() -> _AllOf:
+            works = []
+            for k in range(1, world):
+                to, src = (rank + k) % world, (rank - k) % world
+                for j, part in enumerate(sending[to]):
+                    if part.numel():
+                        target = dist.get_global_rank(self.group, to)
+                        works.append(dist.isend(part, target, self.group, first + j))
+                    if outputs[j].numel():
+                        source = dist.get_global_rank(self.group, src)
+                        into = received[k - 1, bounds[j] : bounds[j + 1]]
+                        works.append(dist.irecv(into, source, self.group, first + j))
+            return _AllOf(works)
+
+        work = self._issue("reduce_scatter_parts", tuple(outputs), stream, launch)
 
         def combine() -> None:
-            # The first received chunk combines with this rank's own straight into the
-            # output: one pass over it instead of a copy and then a reduction.
-            fold = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}.get(op, torch.add)
-            if world == 1:
-                output.copy_(chunks[rank])
-            else:
-                fold(chunks[rank], received[0], out=output)
-            for part in received[1:]:
-                fold(output, part, out=output)
-            if op is ReduceOp.AVG:
-                if output.is_floating_point():
-                    output.div_(world)
-                else:
-                    output.div_(world, rounding_mode="trunc")
+            for j, out in enumerate(outputs):
+                arrived = [received[k, bounds[j] : bounds[j + 1]] for k in range(world - 1)]
+                _combine(op, sending[rank][j].view(-1), arrived, out.view(-1), world)
 
         return ThenWork(work, combine)

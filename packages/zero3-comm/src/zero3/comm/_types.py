@@ -59,6 +59,9 @@ class Capabilities:
             every part straight into its destination (point-to-point messages). Core
             then gathers parameters into their own storages; otherwise it packs them
             into a pooled buffer and copies them out itself.
+        direct_reduce_parts: :meth:`~zero3.comm.CommBackend.reduce_scatter_parts` sends
+            every part from where it lies. Core then reduces gradients from the tensors
+            autograd produced; otherwise it copies them into a rank-major bucket first.
     """
 
     native_reduce_scatter: bool = True
@@ -66,6 +69,7 @@ class Capabilities:
     needs_progress_helper: bool = False
     async_host: bool = True
     direct_gather_parts: bool = False
+    direct_reduce_parts: bool = False
 
 
 class CommError(RuntimeError):
