@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -42,25 +41,8 @@ def _non_persistent_bytes(model: nn.Module) -> int:
     return sum(p.untyped_storage().nbytes() for p in model.parameters())
 
 
-class _CountingGloo(GlooBackend):
-    """gloo that counts its gathers; ``direct=False`` hides its direct part delivery."""
-
-    def __init__(self, *args, direct: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.capabilities = dataclasses.replace(self.capabilities, direct_gather_parts=direct)
-        self.calls = {"all_gather": 0, "all_gather_parts": 0}
-
-    def all_gather(self, *args, **kwargs):
-        self.calls["all_gather"] += 1
-        return super().all_gather(*args, **kwargs)
-
-    def all_gather_parts(self, *args, **kwargs):
-        self.calls["all_gather_parts"] += 1
-        return super().all_gather_parts(*args, **kwargs)
-
-
-def _zoo_parity(name: str, reuse: int, direct: bool = True) -> dict[str, object]:
-    comm = _CountingGloo(timeout_s=30, direct=direct)
+def _zoo_parity(name: str, reuse: int) -> dict[str, object]:
+    comm = GlooBackend(timeout_s=30)
     rank = comm.rank
     model, make = build(name)
     reference = copy.deepcopy(model)
@@ -91,7 +73,6 @@ def _zoo_parity(name: str, reuse: int, direct: bool = True) -> dict[str, object]
         "in": worst_in,
         "gathers": gathers,
         "left": _non_persistent_bytes(model),
-        "calls": comm.calls,
     }
 
 
@@ -104,17 +85,6 @@ def test_zoo_forward_and_input_grads_match_unsharded(worker_pool, name, reuse, w
         assert result["in"] < 1e-6, result
         assert all(g > 0 for g in result["gathers"]), result  # sharding really happened
         assert result["left"] == 0
-        # gloo delivers shards straight into the parameters: no packed gathers at all.
-        assert result["calls"]["all_gather_parts"] > 0 and result["calls"]["all_gather"] == 0
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_packed_gathers_for_backends_without_direct_parts(worker_pool, world_size):
-    """Backends that cannot deliver parts directly (MPI, NCCL) get packed gathers."""
-    for result in worker_pool(world_size).run(_zoo_parity, "gpt_tied", 0, False):
-        assert result["out"] < 1e-5 and result["in"] < 1e-6, result
-        assert result["left"] == 0
-        assert result["calls"]["all_gather"] > 0 and result["calls"]["all_gather_parts"] == 0
 
 
 def _eval_between_training() -> dict[str, object]:

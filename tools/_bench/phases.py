@@ -21,13 +21,11 @@ from typing import Any
 #: (file name, function) -> what the phase is. Cumulative times; "wait" phases include
 #: time blocked on peers.
 PHASES: dict[tuple[str, str], str] = {
-    ("_gather.py", "_issue_direct"): "gather: issue (own shard into its parameter)",
-    ("_gather.py", "_issue_packed"): "gather: pack own shards + issue",
-    ("_gather.py", "_copy_out"): "gather: copy out into parameters (packed)",
+    ("_gather.py", "__init__"): "gather: pack own shards + issue",
+    ("_gather.py", "_copy_out"): "gather: copy out into parameters",
     ("_gather.py", "_check_fingerprints"): "gather: fingerprint check",
-    ("_gather.py", "finish"): "gather: wait + install (incl. copy out)",
-    ("_buckets.py", "write"): "reduce: gradient into bucket (packed)",
-    ("_reducer.py", "_launch_parts"): "reduce: issue from autograd's gradients",
+    ("_gather.py", "finish"): "gather: wait + copy out",
+    ("_buckets.py", "write"): "reduce: gradient into bucket",
     ("_reducer.py", "_finish_oldest"): "reduce: wait + combine",
     ("_reducer.py", "end_backward"): "reduce: epilogue (incl. last waits)",
     ("_optimizer.py", "step"): "optimizer step (incl. AdamW)",

@@ -8,13 +8,13 @@ import datetime
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend, byte_view
+from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
     FLOAT_DTYPES,
@@ -307,33 +307,6 @@ class _AllOf:
         return all(work.is_completed() for work in self._works)
 
 
-def _combine(
-    op: ReduceOp,
-    own: torch.Tensor,
-    received: Sequence[torch.Tensor],
-    output: torch.Tensor,
-    world: int,
-) -> None:
-    """``output`` = ``op`` over this rank's ``own`` part and the ``received`` ones.
-
-    The first received part combines with the own one straight into the output: one
-    pass over it instead of a copy and then a reduction.
-    """
-    fold = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}.get(op, torch.add)
-    if not received:
-        if output.data_ptr() != own.data_ptr():
-            output.copy_(own)
-    else:
-        fold(own, received[0], out=output)
-    for part in received[1:]:
-        fold(output, part, out=output)
-    if op is ReduceOp.AVG:
-        if output.is_floating_point():
-            output.div_(world)
-        else:
-            output.div_(world, rounding_mode="trunc")
-
-
 class GlooBackend(TorchDistBackend):
     """torch.distributed's gloo on CPU tensors.
 
@@ -344,17 +317,13 @@ class GlooBackend(TorchDistBackend):
         group: A process group (default: the default group, initialized if needed).
         timeout_s: Collective timeout.
         all_gather_via: ``"broadcast"`` (default): one broadcast per rank, straight into
-            the output, and :meth:`all_gather_parts` by point-to-point messages straight
-            into each part's destination; ``"native"``: gloo's all-gather (and the
-            packed default for parts).
+            the output; ``"native"``: gloo's all-gather.
         reduce_scatter_via: ``"exchange"`` (default): every rank sends chunk ``r`` of
             its input straight to rank ``r`` and sums the ``N - 1`` chunks it receives
             (point-to-point, ``(N-1)/N`` of the input on the wire, the least a
             reduce-scatter can move); ``"all_reduce"``: all-reduce a copy of the input
             and keep this rank's chunk (twice the bytes; core then reduces gradients with
             its all-reduce path and counts them so); ``"native"``: gloo's reduce-scatter.
-            With ``"exchange"``, :meth:`reduce_scatter_parts` sends every part from
-            where it lies; otherwise it packs the parts (the base class's way).
         **kwargs: ``init_method``, ``rank``, ``world_size`` as for
             :class:`TorchDistBackend`.
 
@@ -378,8 +347,6 @@ class GlooBackend(TorchDistBackend):
         reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
         needs_progress_helper=False,
         async_host=True,
-        direct_gather_parts=True,
-        direct_reduce_parts=True,
     )
 
     def __init__(
@@ -403,13 +370,8 @@ class GlooBackend(TorchDistBackend):
         super().__init__(group, timeout_s=timeout_s, **kwargs)
         self.all_gather_via = all_gather_via
         self.reduce_scatter_via = reduce_scatter_via
-        # The point-to-point part collectives belong to the default ways; the other
-        # options keep gloo's own collectives for comparison.
         self.capabilities = dataclasses.replace(
-            type(self).capabilities,
-            native_reduce_scatter=reduce_scatter_via != "all_reduce",
-            direct_gather_parts=all_gather_via == "broadcast",
-            direct_reduce_parts=reduce_scatter_via == "exchange",
+            type(self).capabilities, native_reduce_scatter=reduce_scatter_via != "all_reduce"
         )
         self._exchange_tag = 0
 
@@ -468,51 +430,6 @@ class GlooBackend(TorchDistBackend):
 
         return ThenWork(work, keep_mine)
 
-    def _take_tags(self, n: int) -> int:
-        """The first of ``n`` consecutive message tags for one point-to-point call.
-
-        Every rank issues its exchanges in the same order, so the tags pair each
-        message with its own call (and part) even when several calls are in flight.
-        """
-        tag = self._exchange_tag
-        self._exchange_tag = (self._exchange_tag + n) % (1 << 24)
-        return tag
-
-    def all_gather_parts(
-        self,
-        outputs: Sequence[Sequence[torch.Tensor]],
-        inputs: Sequence[torch.Tensor],
-        *,
-        stream: Stream | None = None,
-    ) -> Work:
-        """Send each part straight to every peer and receive each peer's part straight
-        into its destination (one message per part and peer; see the base class).
-        """
-        if not self.capabilities.direct_gather_parts:
-            return super().all_gather_parts(outputs, inputs, stream=stream)
-        sizes = self._check_parts(outputs, inputs)
-        world, rank = self.world_size, self.rank
-        for out, part in zip(outputs[rank], inputs, strict=True):
-            if out.numel() and out.data_ptr() != part.data_ptr():
-                byte_view(out).copy_(byte_view(part))
-        first = self._take_tags(len(inputs))
-
-        def launch() -> _AllOf:
-            works = []
-            for k in range(1, world):
-                to = dist.get_global_rank(self.group, (rank + k) % world)
-                src = (rank - k) % world
-                source = dist.get_global_rank(self.group, src)
-                for j, part in enumerate(inputs):
-                    if part.numel():
-                        works.append(dist.isend(byte_view(part), to, self.group, first + j))
-                    if sizes[src][j]:
-                        out = byte_view(outputs[src][j])
-                        works.append(dist.irecv(out, source, self.group, first + j))
-            return _AllOf(works)
-
-        return self._issue("all_gather_parts", tuple(inputs), stream, launch)
-
     def _reduce_scatter_exchange(
         self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, stream: Stream | None
     ) -> Work:
@@ -524,7 +441,8 @@ class GlooBackend(TorchDistBackend):
         received = torch.empty((world - 1, chunks.shape[1]), dtype=input.dtype)
         # Every rank issues its reduce-scatters in the same order, so a per-call tag
         # pairs each message with its own call even when several are in flight.
-        tag = self._take_tags(1)
+        tag = self._exchange_tag
+        self._exchange_tag = (self._exchange_tag + 1) % (1 << 24)
 
         def launch() -> _AllOf:
             works = []
@@ -536,49 +454,21 @@ class GlooBackend(TorchDistBackend):
             return _AllOf(works)
 
         work = self._issue("reduce_scatter", (output, input), stream, launch)
-        return ThenWork(work, lambda: _combine(op, chunks[rank], list(received), output, world))
-
-    def reduce_scatter_parts(
-        self,
-        outputs: Sequence[torch.Tensor],
-        inputs: Sequence[Sequence[torch.Tensor]],
-        *,
-        op: ReduceOp = ReduceOp.AVG,
-        stream: Stream | None = None,
-    ) -> Work:
-        """Send every part straight from its tensor to its rank and reduce the parts
-        that arrive into the outputs (one message per part and peer; see the base class).
-        """
-        if not self.capabilities.direct_reduce_parts:
-            return super().reduce_scatter_parts(outputs, inputs, op=op, stream=stream)
-        self._check_reduce_parts(outputs, inputs, op)
-        world, rank = self.world_size, self.rank
-        bounds = [0]
-        for out in outputs:
-            bounds.append(bounds[-1] + out.numel())
-        received = outputs[0].new_empty(world - 1, bounds[-1])
-        sending = [[p if p.is_contiguous() else p.contiguous() for p in row] for row in inputs]
-        first = self._take_tags(len(outputs))
-
-        def launch() -> _AllOf:
-            works = []
-            for k in range(1, world):
-                to, src = (rank + k) % world, (rank - k) % world
-                for j, part in enumerate(sending[to]):
-                    if part.numel():
-                        target = dist.get_global_rank(self.group, to)
-                        works.append(dist.isend(part, target, self.group, first + j))
-                    if outputs[j].numel():
-                        source = dist.get_global_rank(self.group, src)
-                        into = received[k - 1, bounds[j] : bounds[j + 1]]
-                        works.append(dist.irecv(into, source, self.group, first + j))
-            return _AllOf(works)
-
-        work = self._issue("reduce_scatter_parts", tuple(outputs), stream, launch)
 
         def combine() -> None:
-            for j, out in enumerate(outputs):
-                arrived = [received[k, bounds[j] : bounds[j + 1]] for k in range(world - 1)]
-                _combine(op, sending[rank][j].view(-1), arrived, out.view(-1), world)
+            # The first received chunk combines with this rank's own straight into the
+            # output: one pass over it instead of a copy and then a reduction.
+            fold = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}.get(op, torch.add)
+            if world == 1:
+                output.copy_(chunks[rank])
+            else:
+                fold(chunks[rank], received[0], out=output)
+            for part in received[1:]:
+                fold(output, part, out=output)
+            if op is ReduceOp.AVG:
+                if output.is_floating_point():
+                    output.div_(world)
+                else:
+                    output.div_(world, rounding_mode="trunc")
 
         return ThenWork(work, combine)

@@ -55,21 +55,12 @@ class Capabilities:
             them (MPI); the backend runs a helper thread for that.
         async_host: Collectives run asynchronously with respect to the calling host
             thread (gloo's own thread, an MPI progress thread, a device stream).
-        direct_gather_parts: :meth:`~zero3.comm.CommBackend.all_gather_parts` delivers
-            every part straight into its destination (point-to-point messages). Core
-            then gathers parameters into their own storages; otherwise it packs them
-            into a pooled buffer and copies them out itself.
-        direct_reduce_parts: :meth:`~zero3.comm.CommBackend.reduce_scatter_parts` sends
-            every part from where it lies. Core then reduces gradients from the tensors
-            autograd produced; otherwise it copies them into a rank-major bucket first.
     """
 
     native_reduce_scatter: bool = True
     reduce_dtypes: frozenset[torch.dtype] = field(default_factory=lambda: FLOAT_DTYPES | INT_DTYPES)
     needs_progress_helper: bool = False
     async_host: bool = True
-    direct_gather_parts: bool = False
-    direct_reduce_parts: bool = False
 
 
 class CommError(RuntimeError):

@@ -359,7 +359,7 @@ class ParamCoordinator:
         world = self.comm.world_size
         stats.gather_payload_bytes += layout.payload_bytes
         stats.gather_fingerprint_bytes += 16 * world
-        stats.gather_padding_bytes += handle.wire_bytes - layout.payload_bytes - 16 * world
+        stats.gather_padding_bytes += layout.chunk_bytes * world - layout.payload_bytes - 16 * world
         self.live_numel += numel
         self.live_bytes += layout.payload_bytes
         self._high_bytes = max(self._high_bytes, self.live_bytes)

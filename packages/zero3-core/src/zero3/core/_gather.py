@@ -29,14 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zero3.comm import CommBackend, Stream, Work
-from zero3.core._params import (
-    ParamStatus,
-    ShardedParam,
-    can_install,
-    fill_full,
-    install_full,
-    spare_full,
-)
+from zero3.core._params import ParamStatus, ShardedParam, fill_full
 from zero3.core._pool import BufferPool
 
 __all__ = ["FINGERPRINT_BYTES", "FingerprintMismatchError", "GatherHandle", "GatherLayout"]
@@ -99,16 +92,6 @@ class GatherHandle:
         describe: Maps a module index to its qualified name (for error messages).
         stream: Stream to issue the gather on.
         pool: Where the send and receive buffers come from and go back to.
-
-    Note (gathering into the parameters' own storages):
-        With a backend whose ``all_gather_parts`` delivers each part straight into its
-        destination (``capabilities.direct_gather_parts``: gloo's point-to-point
-        messages), each parameter's full storage is taken from the pool up front and
-        every rank's shard is received into its slice of it: this rank's shard is
-        copied in once, nothing is packed and nothing is copied out. Measured on the
-        benchmark GPT (world 2), packing and copying out cost 25-45 ms per step of
-        about 2.1 s. Other backends gather one packed chunk per rank into a pooled
-        buffer (one collective, which is what NCCL and MPI do best) and copy out.
     """
 
     def __init__(
@@ -126,60 +109,21 @@ class GatherHandle:
         self.prefetch = False
         self._describe = describe
         self._world = comm.world_size
-        self._pool = pool
-        self._storages: list[torch.UntypedStorage] = []
-        self._recv: torch.Tensor | None = None
-        for sp in layout.params:
-            sp.status = ParamStatus.INFLIGHT
-            sp.handle = self
-        #: Gathering straight into the parameters' storages (see the Note).
-        self.direct = comm.capabilities.direct_gather_parts and can_install()
-        if self.direct:
-            self._work: Work | None = self._issue_direct(comm, stream)
-        else:
-            self._work = self._issue_packed(comm, stream)
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes the gather delivers over all ranks (payload, fingerprints, padding)."""
-        if self.direct:
-            return self.layout.payload_bytes + FINGERPRINT_BYTES * self._world
-        return self.layout.chunk_bytes * self._world
-
-    def _issue_direct(self, comm: CommBackend, stream: Stream | None) -> Work:
-        device = self.layout.params[0].shard.device
-        self._prints = torch.empty(self._world, FINGERPRINT_BYTES, dtype=torch.uint8, device=device)
-        self._prints[comm.rank].copy_(self.layout.fingerprint(self.module_index))
-        outputs: list[list[torch.Tensor]] = [[] for _ in range(self._world)]
-        inputs = []
-        for sp in self.layout.params:
-            storage, flat = spare_full(sp.param, self._pool)
-            self._storages.append(storage)
-            for r in range(self._world):
-                start, stop = sp.valid_range(r)
-                outputs[r].append(flat[start:stop])
-            inputs.append(sp.shard[: sp.local_numel])
-        for r in range(self._world):
-            outputs[r].append(self._prints[r])
-        inputs.append(self._prints[comm.rank])
-        if stream is not None:
-            stream.wait_stream(comm.current_stream())  # the shards were written there
-        return comm.all_gather_parts(outputs, inputs, stream=stream)
-
-    def _issue_packed(self, comm: CommBackend, stream: Stream | None) -> Work:
-        layout = self.layout
         device = layout.params[0].shard.device
-        self._recv = self._pool.take(layout.chunk_bytes * self._world, device)
+        self._pool = pool
+        self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
         # Pack straight into this rank's own chunk of the receive buffer and gather in
         # place: no separate send buffer, one copy less.
         send = self._recv.view(self._world, layout.chunk_bytes)[comm.rank]
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
-        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(self.module_index))
+            sp.status = ParamStatus.INFLIGHT
+            sp.handle = self
+        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
-        return comm.all_gather(self._recv, send, stream=stream)
+        self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
 
     def is_completed(self) -> bool:
         """True once the data has arrived (never blocks)."""
@@ -188,25 +132,15 @@ class GatherHandle:
     @property
     def finished(self) -> bool:
         """True once :meth:`finish` has run."""
-        return self._work is None
+        return self._recv is None
 
     def finish(self, stream: Stream | None = None) -> None:
         """Wait for the data, check fingerprints, and fill the parameters' storages."""
-        if self._work is None:
+        if self._recv is None or self._work is None:
             return
         self._work.wait(stream)
-        self._work = None
-        if self.direct:
-            self._check_fingerprints(self._prints)
-            for sp, storage in zip(self.layout.params, self._storages, strict=True):
-                sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
-                sp.handle = None
-                install_full(sp.param, storage, self._pool)
-            self._storages = []
-            return
-        assert self._recv is not None
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
-        self._check_fingerprints(recv[:, -FINGERPRINT_BYTES:])
+        self._check_fingerprints(recv)
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
             sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
             sp.handle = None
@@ -214,11 +148,10 @@ class GatherHandle:
         # On devices the buffer goes back only after the consumer stream used it; on
         # CPU the copies above have run, so it is free now.
         self._pool.give(self._recv)
-        self._recv = None
+        self._recv, self._work = None, None
 
-    def _check_fingerprints(self, received: torch.Tensor) -> None:
-        """``received``: every rank's fingerprint bytes, one row per rank."""
-        prints = received.contiguous().view(torch.int32).cpu()
+    def _check_fingerprints(self, recv: torch.Tensor) -> None:
+        prints = recv[:, -FINGERPRINT_BYTES:].contiguous().view(torch.int32).cpu()
         mine = self.layout.fingerprint(self.module_index).view(torch.int32)
         if bool((prints == mine).all()):
             return
@@ -235,9 +168,6 @@ class GatherHandle:
                 )
         for sp in self.layout.params:  # leave nothing half-gathered behind
             sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
-        for storage in self._storages:
-            self._pool.give_storage(storage)
-        self._storages = []
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)

@@ -305,38 +305,12 @@ def fill_full(param: torch.Tensor, fill: Callable[[torch.Tensor], None], pool: B
         with torch.no_grad(), _unsafe_preserve_version_counter(param):
             fill(param.view(-1))
         return
-    fresh, flat = spare_full(param, pool)
+    fresh = pool.take_storage(nbytes, param.device)
     with torch.no_grad(), torch.inference_mode(False):
-        fill(flat)
-    install_full(param, fresh, pool)
-
-
-def can_install() -> bool:
-    """Whether this torch can swap a filled storage into a parameter (see the Note)."""
-    return _SWAP
-
-
-def spare_full(param: torch.Tensor, pool: BufferPool) -> tuple[torch.UntypedStorage, torch.Tensor]:
-    """A (pooled) storage the size of ``param``'s full data, and a flat view to fill it.
-
-    Once filled, :func:`install_full` gives it to the parameter; until then the
-    parameter is untouched, so the storage can be the destination of a gather in flight.
-    """
-    fresh = pool.take_storage(param.numel() * param.element_size(), param.device)
-    with torch.inference_mode(False):
         flat = torch.empty(0, dtype=param.dtype, device=param.device)
         flat.set_(fresh, 0, (param.numel(),), (1,))
-    return fresh, flat
-
-
-def install_full(param: torch.Tensor, storage: torch.UntypedStorage, pool: BufferPool) -> None:
-    """Swap a filled storage into ``param``'s own storage object (needs :func:`can_install`).
-
-    The bytes the parameter had, if any (a refresh of a whole parameter), go to the pool.
-    """
-    param.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
-    if storage.nbytes():
-        pool.give_storage(storage)
+        fill(flat)
+    param.untyped_storage()._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
 
 
 def write_full(param: torch.Tensor, flat: torch.Tensor) -> None:

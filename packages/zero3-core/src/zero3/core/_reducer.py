@@ -84,9 +84,6 @@ class GradReducer:
         self.all_reduce_path = (
             config.grad_reduce_op == "all_reduce" or not comm.capabilities.native_reduce_scatter
         )
-        #: Reduce gradients from the tensors autograd produced (see the Note on
-        #: :meth:`_launch_parts`) instead of copying them into a bucket buffer first.
-        self.direct_parts = comm.capabilities.direct_reduce_parts and not self.all_reduce_path
         #: Private switch. False forms buckets by arrival order (DeepSpeed's way), which
         #: desynchronizes ranks under data-dependent routing. Tests use it to show that.
         self.fixed_buckets = True
@@ -209,7 +206,7 @@ class GradReducer:
             return
         repeat = sp.index in bucket.arrived
         bucket.arrived.add(sp.index)
-        if self.config.contiguous_gradients and not self.direct_parts:
+        if self.config.contiguous_gradients:
             bucket.write(k, grad, accumulate=repeat, pool=self.pool)
         else:
             prior = bucket.grads.get(sp.index)
@@ -257,9 +254,6 @@ class GradReducer:
         device = bucket.params[0].shard.device
         partition = self._partition(bucket.dtype, device)
         region = partition[bucket.partition_offset : bucket.partition_offset + bucket.stride]
-        if self.direct_parts:
-            self._launch_parts(bucket, region)
-            return
         if not self.config.contiguous_gradients:
             if not self.all_reduce_path:
                 self._launch_discrete(bucket, region)
@@ -335,59 +329,6 @@ class GradReducer:
             self._fingerprints.append((bucket.index, target[size:]))
 
         self._count(bucket.payload_numel, sum(t.numel() for t in inputs), bucket.dtype, 1)
-        self._track(work, finish, bucket.index)
-
-    def _launch_parts(self, bucket: GradBucket, region: torch.Tensor) -> None:
-        """Reduce the bucket's gradients from where autograd left them.
-
-        Note (no bucket copy):
-            With a backend that sends parts from where they lie
-            (``capabilities.direct_reduce_parts``: gloo's point-to-point messages), chunk
-            ``r`` of each member's gradient goes to rank ``r`` as its own message and
-            the chunks that arrive are reduced straight into the partition buffer, so
-            the gradients are never copied into a rank-major bucket (measured on the
-            benchmark GPT at world 2: that copy cost about 30 ms per step of 2.1 s,
-            ``tools/bench.py --profile``). Membership, launch order and the fingerprint
-            (one more part) are those of the bucket; only the packing is gone, so
-            ``contiguous_gradients`` has nothing left to decide here.
-        """
-        accumulate = self.micro_step > 0
-        device = region.device
-        # Accumulation reduces into zeros and adds; padding then stays zero as well.
-        target = torch.zeros_like(region) if accumulate else region
-        world = self.comm.world_size
-        outputs: list[torch.Tensor] = []
-        inputs: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        for k, sp in enumerate(bucket.params):
-            grad = bucket.grads.get(sp.index)
-            flat = (
-                grad.reshape(-1)
-                if grad is not None
-                else torch.zeros(sp.numel, dtype=bucket.dtype, device=device)
-            )
-            offset = bucket.offsets[k]
-            outputs.append(target[offset : offset + sp.local_numel])
-            for r in range(world):
-                start, stop = sp.valid_range(r)
-                inputs[r].append(flat[start:stop])
-        size = bucket.region_numel
-        outputs.append(target[size:])
-        bits = fingerprint_bits(bucket.index, bucket.dtype, device)
-        for row in inputs:
-            row.append(bits)
-        bucket.grads = {}
-        self.reduce_stream.wait_stream(self.comm.current_stream())
-        work = self.comm.reduce_scatter_parts(
-            outputs, inputs, op=ReduceOp.AVG, stream=self.reduce_stream
-        )
-
-        def finish() -> None:
-            if accumulate:
-                region[:size].add_(target[:size])
-            self._fingerprints.append((bucket.index, target[size:]))
-
-        fingerprint = world * FINGERPRINT_SLOTS
-        self._count(bucket.payload_numel, bucket.payload_numel + fingerprint, bucket.dtype, 1)
         self._track(work, finish, bucket.index)
 
     def _count(

@@ -433,7 +433,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         handle.finish(state.comm.current_stream())
         stats = state.stats.current
         stats.refresh_gathers += 1
-        stats.refresh_bytes += handle.wire_bytes
+        stats.refresh_bytes += layout.chunk_bytes * state.comm.world_size
 
     def _end_window(self) -> None:
         self._grads_unscaled = False
