@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_runs_and_reports_every_system():
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    """tools/bench.py on a one-layer workload, one round of one timed step."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -23,10 +24,15 @@ def test_bench_runs_and_reports_every_system():
     }
     cmd = [
         sys.executable, str(ROOT / "tools" / "bench.py"), "--layers", "1", "--rounds", "1",
-        "--steps", "1", "--warmup", "1", "--systems", "ddp,zero3,zero3:overlap_comm=false",
+        "--steps", "1", "--warmup", "1", *args,
     ]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_bench_runs_and_reports_every_system():
+    result = _bench("--systems", "ddp,zero3,zero3:overlap_comm=false")
     rows = {
         line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
         for line in result.stdout.splitlines()
@@ -45,17 +51,7 @@ def test_bench_runs_and_reports_every_system():
 
 
 def test_bench_profile_reports_zero3_phases():
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
-    }
-    cmd = [
-        sys.executable, str(ROOT / "tools" / "bench.py"), "--layers", "1", "--rounds", "1",
-        "--steps", "1", "--warmup", "1", "--systems", "zero3", "--profile",
-    ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = _bench("--systems", "zero3", "--profile")
     phases = dict(
         re.findall(r"^\| ((?:gather|reduce|optimizer)[^|]*?) \| ([\d.]+) \|", result.stdout, re.M)
     )
