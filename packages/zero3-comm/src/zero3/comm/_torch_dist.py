@@ -460,7 +460,8 @@ class GlooBackend(TorchDistBackend):
             # output: one pass over it instead of a copy and then a reduction.
             fold = {ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}.get(op, torch.add)
             if world == 1:
-                output.copy_(chunks[rank])
+                if output.data_ptr() != chunks[rank].data_ptr():  # in place: nothing to do
+                    output.copy_(chunks[rank])
             else:
                 fold(chunks[rank], received[0], out=output)
             for part in received[1:]:
