@@ -202,6 +202,7 @@ class CommBackend(abc.ABC):
                 )
         send = torch.cat([t.reshape(-1) for t in inputs])
         recv = send.new_empty(send.numel() * self.world_size)
+        self._after_packing(stream)
         work = self.all_gather(recv, send, stream=stream)
 
         def unpack() -> None:
@@ -235,6 +236,7 @@ class CommBackend(abc.ABC):
                 )
         send = torch.cat([t.reshape(self.world_size, -1) for t in inputs], dim=1)
         recv = send.new_empty(sum(sizes))
+        self._after_packing(stream)
         work = self.reduce_scatter(recv, send.view(-1), op=op, stream=stream)
 
         def unpack() -> None:
@@ -242,6 +244,16 @@ class CommBackend(abc.ABC):
                 out.view(-1).copy_(chunk)
 
         return ThenWork(work, unpack)
+
+    def _after_packing(self, stream: Stream | None) -> None:
+        """Order ``stream`` after the packing just queued on the current stream.
+
+        The coalesced defaults pack with ``torch.cat`` on the caller's current stream;
+        a collective issued on another stream must not start before that copy has run
+        (on a GPU it would send a buffer whose packing kernel is still queued).
+        """
+        if stream is not None:
+            stream.wait_stream(self.current_stream())
 
     # -- primitives subclasses implement ----------------------------------------
 

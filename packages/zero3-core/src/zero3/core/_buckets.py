@@ -38,7 +38,7 @@ import torch
 from zero3.core._params import ShardedParam
 from zero3.core._pool import BufferPool
 
-__all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "plan_buckets"]
+__all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "padded_flat", "plan_buckets"]
 
 #: Elements at the end of every rank region that carry the bucket key's bits.
 FINGERPRINT_SLOTS = 16
@@ -50,6 +50,18 @@ def fingerprint_bits(
     """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype)."""
     bits = [(key >> i) & 1 for i in range(FINGERPRINT_SLOTS)]
     return torch.tensor(bits, dtype=dtype, device=device)
+
+
+def padded_flat(
+    sp: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``grad`` flattened and zero-padded to ``sp.padded_numel`` elements, in ``dtype``
+    (all zeros when ``grad`` is None: a member that got no gradient reduces as zeros).
+    """
+    out = torch.zeros(sp.padded_numel, dtype=dtype, device=device)
+    if grad is not None:
+        out[: sp.numel].copy_(grad.reshape(-1))
+    return out
 
 
 @dataclasses.dataclass(eq=False)
@@ -167,15 +179,6 @@ class GradBucket:
             if position not in self.written:
                 self.slot(position).zero_()
         return self.flat
-
-    def padded_grad(self, position: int, device: torch.device) -> torch.Tensor:
-        """A member's gradient padded to ``N * s`` elements (zeros if it got none)."""
-        sp = self.params[position]
-        grad = self.grads.get(sp.index)
-        out = torch.zeros(sp.padded_numel, dtype=self.dtype, device=device)
-        if grad is not None:
-            out[: sp.numel].copy_(grad.reshape(-1))
-        return out
 
 
 def plan_buckets(

@@ -27,7 +27,6 @@ import logging
 import warnings
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import nn
 
 from zero3.comm import CommBackend
@@ -246,9 +245,12 @@ class ParamCoordinator:
     # -- fetch / release --------------------------------------------------------------
 
     def fetch_sub_module(self, module: nn.Module, forward: bool) -> None:
-        """Make the module's parameters whole on this rank (seed §2.1's three steps)."""
+        """Make the module's parameters whole on this rank (the three steps of the Note).
+
+        The step must be open (:meth:`begin_step`; the model state opens it).
+        """
         if not self.step_open:
-            self.begin_step(training=torch.is_grad_enabled())
+            raise RuntimeError("zero3 internal error: a module fetch outside a step")
         index = self.index_of(module)
         position = self.position
         self.position += 1
@@ -337,17 +339,17 @@ class ParamCoordinator:
     def _issue(
         self, params: list[ShardedParam], index: int, forward: bool, prefetch: bool
     ) -> GatherHandle:
-        key = tuple(sp.index for sp in params)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = GatherLayout.build(params)
-            self._layouts[key] = layout
+        layout = self._layout(params)
         handle = GatherHandle(
-            self.comm, layout, index, self.describe, self.gather_stream, self.pool
+            self.comm,
+            layout,
+            index,
+            self.describe,
+            self.gather_stream,
+            self.pool,
+            kind="prefetch" if prefetch else "gather",
+            issued_us=self._now(),
         )
-        if self.tracer is not None:
-            handle.issued_us = self.tracer.now_us()
-            handle.prefetch = prefetch
         stats = self.stats.current
         numel = sum(sp.numel for sp in params)
         if forward:
@@ -366,7 +368,7 @@ class ParamCoordinator:
         stats.live_numel_high_water = max(stats.live_numel_high_water, self.live_numel)
         if prefetch:
             stats.prefetch_gathers += 1
-            self._prefetched.update(key)
+            self._prefetched.update(sp.index for sp in params)
             if not self.config.overlap_comm:
                 stats.blocking_prefetches += 1
                 self._finish(handle)
@@ -384,7 +386,7 @@ class ParamCoordinator:
         handle.finish(self.comm.current_stream())
         end = tracer.now_us()
         name = self.describe(handle.module_index)
-        kind = "prefetch" if handle.prefetch else "gather"
+        kind = handle.kind
         tracer.complete(
             f"{kind} {name}",
             kind,
@@ -394,6 +396,44 @@ class ParamCoordinator:
             bytes=handle.layout.chunk_bytes * self.comm.world_size,
         )
         tracer.complete(f"wait {kind} {name}", "wait", waited, end)
+
+    def _now(self) -> float:
+        return self.tracer.now_us() if self.tracer is not None else 0.0
+
+    def _layout(self, params: list[ShardedParam]) -> GatherLayout:
+        key = tuple(sp.index for sp in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = GatherLayout.build(params)
+            self._layouts[key] = layout
+        return layout
+
+    def refresh(self, params: Sequence[ShardedParam]) -> None:
+        """Re-assemble whole parameters from their (updated) shards in one gather.
+
+        After an optimizer step the parameters that are whole on this rank (persistent
+        ones, and gathered ones held across the step) hold stale values. They are
+        gathered again like any fetch — fingerprinted, pooled, traced — but counted as
+        a refresh; the live-parameter accounting does not change, since they were
+        whole before and are whole after.
+        """
+        if not params:
+            return
+        layout = self._layout(sorted(params, key=lambda sp: sp.index))
+        handle = GatherHandle(
+            self.comm,
+            layout,
+            GATHERED_PARAMETERS,
+            self.describe,
+            None,
+            self.pool,
+            kind="refresh",
+            issued_us=self._now(),
+        )
+        self._finish(handle)
+        stats = self.stats.current
+        stats.refresh_gathers += 1
+        stats.refresh_bytes += layout.chunk_bytes * self.comm.world_size
 
     def _prefetch(self, position: int, forward: bool) -> None:
         # A prefetch leaves the in-flight count when a fetch consumes it, never when the

@@ -92,6 +92,9 @@ class GatherHandle:
         describe: Maps a module index to its qualified name (for error messages).
         stream: Stream to issue the gather on.
         pool: Where the send and receive buffers come from and go back to.
+        kind: ``"gather"`` (on demand), ``"prefetch"`` (ahead of use) or ``"refresh"``
+            (after an optimizer step); labels the tracer's events.
+        issued_us: When it was issued (tracer clock; 0 when not tracing).
     """
 
     def __init__(
@@ -102,11 +105,14 @@ class GatherHandle:
         describe: Callable[[int], str],
         stream: Stream | None,
         pool: BufferPool,
+        *,
+        kind: str = "gather",
+        issued_us: float = 0.0,
     ) -> None:
         self.layout = layout
         self.module_index = module_index
-        self.issued_us = 0.0  # set by the coordinator when tracing
-        self.prefetch = False
+        self.kind = kind
+        self.issued_us = issued_us
         self._describe = describe
         self._world = comm.world_size
         device = layout.params[0].shard.device

@@ -91,6 +91,9 @@ class ShardedParam:
             steps until they exit.
         owners: Names of the modules holding it in ``_parameters`` (for messages).
         handle: The gather in flight, while INFLIGHT.
+        master: The fp32 master of this rank's real elements, where an optimizer keeps
+            one apart from :attr:`shard` (non-fp32 parameters); written together with
+            the shard by ``ShardedModelState.write_local``.
     """
 
     index: int
@@ -109,6 +112,7 @@ class ShardedParam:
     pinned: int = 0
     owners: list[str] = dataclasses.field(default_factory=list)
     handle: GatherHandle | None = None
+    master: torch.Tensor | None = None
 
     @property
     def status(self) -> ParamStatus:

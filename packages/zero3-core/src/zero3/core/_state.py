@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero3.comm import CommBackend
+from zero3.comm import CommBackend, ReduceOp
 from zero3.core import _params
 from zero3.core._config import LeafTarget, Zero3Config
 from zero3.core._coordinator import ParamCoordinator
@@ -79,9 +79,29 @@ class ShardedModelState:
         self.grad_comm = _duplicate(comm)
         self.stats = StatsBook(comm.world_size)
         self.modules = list(module.named_modules())
-        self.params: list[ShardedParam] = []
-        #: Indices of parameters a PartitionedOptimizer steps (each at most once).
-        self.optimized: set[int] = set()
+        self.params: list[ShardedParam] = self._partition()
+        # The largest buffers a step needs at once: a whole-model gather (its receive
+        # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
+        # bucket reuses them (best fit). See BufferPool.
+        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        limit = model_bytes + model_bytes // comm.world_size + (1 << 20)
+        self.pool = BufferPool(limit_bytes=limit)
+        self.coordinator = ParamCoordinator(
+            comm, config, self.modules, self._direct_params(), self.stats, self.pool
+        )
+        self._apply_leaves()
+        self._apply_pending_externals()
+        self.reducer = GradReducer(
+            self.grad_comm,
+            config,
+            [sp for sp in self.params if sp.requires_grad],
+            self._leaf_of(),
+            self.stats,
+            self.pool,
+            defer_launches=self.grad_comm is comm,
+        )
+        # Parameter index -> the optimizer stepping it (each parameter at most one).
+        self._optimizer_of: dict[int, object] = {}
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -100,11 +120,11 @@ class ShardedModelState:
                     "sharded model; a parameter can be sharded once (unshard the other model)"
                 )
         state = cls(module, config, comm)
-        state._partition()
         _STATES[module] = state
         return state
 
-    def _partition(self) -> None:
+    def _partition(self) -> list[ShardedParam]:
+        """Cast, synchronise and shard every parameter (``named_parameters()`` order)."""
         named = list(self.module.named_parameters())
         with torch.no_grad():
             for _, param in named:
@@ -115,8 +135,10 @@ class ShardedModelState:
             if self.config.sync_module_states and self.comm.world_size > 1:
                 tensors = [p.data for _, p in named] + [b for b in self.module.buffers()]
                 _broadcast_from_rank0(self.comm, tensors)
-            for index, (name, param) in enumerate(named):
-                self.params.append(self._shard(index, name, param))
+            return [self._shard(index, name, param) for index, (name, param) in enumerate(named)]
+
+    def _direct_params(self) -> list[list[ShardedParam]]:
+        """For each module, the sharded parameters it owns directly (records owners)."""
         by_param = {id(sp.param): sp for sp in self.params}
         direct: list[list[ShardedParam]] = []
         for mod_name, mod in self.modules:
@@ -124,22 +146,7 @@ class ShardedModelState:
             for sp in own:
                 sp.owners.append(mod_name or "<root>")
             direct.append(own)
-        # The largest buffers a step needs at once: a whole-model gather (its receive
-        # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
-        # bucket reuses them (best fit). See BufferPool.
-        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
-        limit = model_bytes + model_bytes // self.comm.world_size + (1 << 20)
-        self.pool = BufferPool(limit_bytes=limit)
-        self.coordinator = ParamCoordinator(
-            self.comm, self.config, self.modules, direct, self.stats, self.pool
-        )
-        self._apply_leaves()
-        self._apply_pending_externals()
-        trainable = [sp for sp in self.params if sp.requires_grad]
-        self.reducer = GradReducer(
-            self.grad_comm, self.config, trainable, self._leaf_of(), self.stats, self.pool
-        )
-        self.reducer.defer_launches = self.grad_comm is self.comm
+        return direct
 
     def _shard(self, index: int, name: str, param: nn.Parameter) -> ShardedParam:
         world, rank = self.comm.world_size, self.comm.rank
@@ -249,6 +256,165 @@ class ShardedModelState:
         self.reducer.replan(self._leaf_of())
         for trace in self.coordinator.traces.values():
             trace.invalidate()
+
+    # -- the step, driven by zero3.hooks ----------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """The outermost forward starts: open a step unless one awaits its backward.
+
+        Grad mode picks the kind: with grad enabled a training step (its trace spans the
+        backward that follows), without it an inference step (forward only).
+        """
+        if not self.coordinator.step_open:
+            self.coordinator.begin_step(training=torch.is_grad_enabled())
+
+    def fetch(self, module: nn.Module, *, forward: bool) -> None:
+        """Make ``module``'s parameters whole here: gather, wait, then prefetch ahead.
+
+        A backward that runs after its step was closed (a second backward through a
+        retained graph) opens a new step of its own.
+        """
+        self.begin_forward()
+        self.coordinator.fetch_sub_module(module, forward)
+
+    def release(self, module: nn.Module) -> None:
+        """``module`` finished (forward or backward): release what is not reused soon."""
+        self.coordinator.release_sub_module(module)
+
+    def fetch_set(self, module_index: int) -> list[ShardedParam]:
+        """The non-persistent parameters gathered for a module (direct, external, leaf)."""
+        return self.coordinator.fetch_set(module_index)
+
+    def use_external(self, module_index: int, sp: ShardedParam, *, forward: bool) -> None:
+        """The running module reads ``sp``, which it does not own: from now on ``sp`` is
+        gathered with it, and it is gathered (and held under the module) at once.
+        """
+        if self.coordinator.add_external(module_index, sp):
+            self.coordinator.fetch_params([sp], module_index, forward=forward)
+
+    def hold_for_step(self, sp: ShardedParam) -> None:
+        """The root module returned ``sp``: keep it whole until the step ends."""
+        if not sp.persistent:
+            sp.holds += 1
+
+    def end_forward(self, *, backward_pending: bool) -> None:
+        """The outermost forward ended; the step ends too unless a backward will follow."""
+        coordinator = self.coordinator
+        if coordinator.step_open and (not coordinator.training_step or not backward_pending):
+            coordinator.end_step(self.params)
+
+    def on_grad(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """A parameter's full gradient for this backward (zero3 now owns ``grad``)."""
+        self.reducer.on_grad(sp, grad)
+
+    def backward_done(self, module_index: int) -> None:
+        """Gradients reached the module's inputs: release it, reduce a leaf's buckets."""
+        self.coordinator.release_sub_module(self.modules[module_index][1])
+        if self.coordinator.is_leaf(module_index):
+            self.reducer.leaf_done(module_index)
+
+    def end_backward(self) -> None:
+        """The epilogue: reduce what is left, then release everything and end the step."""
+        self.reducer.end_backward()
+        if self.coordinator.step_open:
+            self.coordinator.end_step(self.params)
+
+    def end_window(self) -> None:
+        """End the gradient accumulation window (an optimizer step or a ``zero_grad``)."""
+        self.reducer.end_window()
+
+    # -- the optimizer's side (zero3.optim drives these) ----------------------------------
+
+    def claim(self, params: Iterable[ShardedParam], optimizer: object) -> None:
+        """Record that ``optimizer`` steps ``params``; each parameter has one optimizer.
+
+        Raises:
+            ValueError: A parameter already belongs to another optimizer.
+        """
+        params = list(params)
+        for sp in params:
+            owner = self._optimizer_of.get(sp.index)
+            if owner is not None and owner is not optimizer:
+                raise ValueError(
+                    f"PartitionedOptimizer: parameter {sp.name!r} is already stepped by "
+                    "another PartitionedOptimizer; give each parameter to one optimizer"
+                )
+        for sp in params:
+            self._optimizer_of[sp.index] = optimizer
+
+    def owns(self, param: torch.Tensor) -> ShardedParam | None:
+        """The sharded state of ``param`` if it is a parameter of this model, else None."""
+        sp = _params.lookup(param)
+        return sp if sp is not None and _PARAM_STATE.get(param) is self else None
+
+    def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
+        """This rank's padded gradient shard of ``sp`` for the window (None: no gradient
+        on any rank).
+        """
+        return self.reducer.grad_shard(sp)
+
+    def adopt_master(self, sp: ShardedParam, region: torch.Tensor) -> torch.Tensor:
+        """An optimizer keeps ``sp``'s fp32 master in ``region`` (``shard_numel``
+        elements): copy the shard in and return the master's real elements.
+
+        An fp32 parameter's shard *moves* into the region (one copy of the fp32 state,
+        nothing to write back); any other dtype keeps its shard and the region becomes
+        its master, which :meth:`write_local` keeps in step with edits made outside the
+        optimizer (loading, ``gathered_parameters(modifier_rank=...)``).
+        """
+        region.copy_(sp.shard)
+        master = region[: sp.local_numel]
+        if sp.dtype == torch.float32 and not sp.aliases_param:
+            sp.shard = region
+        else:
+            sp.master = master
+        return master
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """A small all-reduce on the gradient backend (norms, overflow flags), counted."""
+        self.grad_comm.all_reduce(tensor, op=op).wait()
+        self.stats.current.other_collectives += 1
+
+    def publish(self, params: Iterable[ShardedParam]) -> None:
+        """New values were written into these parameters' shards (an optimizer step):
+        the ones whole on this rank are gathered again, in one refresh.
+        """
+        whole = [
+            sp
+            for sp in params
+            if not sp.aliases_param and (sp.persistent or sp.status is ParamStatus.AVAILABLE)
+        ]
+        self.coordinator.refresh(whole)
+
+    # -- writing parameter values ---------------------------------------------------------
+
+    def write_local(self, sp: ShardedParam, values: torch.Tensor) -> None:
+        """Set this rank's real elements of ``sp`` (its shard, and its fp32 master if an
+        optimizer keeps one apart). The whole parameter, if gathered, is not touched.
+        """
+        with torch.no_grad():
+            sp.shard[: values.numel()].copy_(values)
+            if sp.master is not None:
+                sp.master.copy_(values)
+
+    def write_full(self, sp: ShardedParam, flat: torch.Tensor) -> None:
+        """Set ``sp`` from its full values (``numel`` elements, flat): this rank's shard
+        and master, and the parameter itself where it is whole here.
+        """
+        start, stop = sp.valid_range(sp.rank)
+        self.write_local(sp, flat[start:stop])
+        if sp.status is ParamStatus.AVAILABLE and not sp.aliases_param:
+            _params.write_full(sp.param, flat)
+
+    def full_grad(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp``'s full gradient for the window, gathered from every rank (a collective)."""
+        shard = self.reducer.grad_shard(sp)
+        if shard is None:
+            return None
+        out = torch.empty(sp.padded_numel, dtype=shard.dtype, device=shard.device)
+        self.grad_comm.all_gather(out, shard.contiguous()).wait()
+        self.stats.current.other_collectives += 1
+        return out[: sp.numel].view(sp.shape)
 
     # -- teardown -------------------------------------------------------------------------
 

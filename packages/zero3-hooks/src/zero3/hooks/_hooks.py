@@ -38,8 +38,7 @@ from torch import nn
 from torch.autograd.variable import Variable
 from torch.utils.hooks import RemovableHandle
 
-from zero3.core import ShardedModelState
-from zero3.core._params import ShardedParam, lookup
+from zero3.core import ShardedModelState, ShardedParam, sharded_param
 from zero3.hooks._functions import PostBackward, PreBackward
 from zero3.hooks._tree import iter_tensors, map_tensors
 
@@ -68,7 +67,7 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
 
     def __setitem__(self, key: str, value: Any) -> None:
         old = dict.get(self, key)
-        if old is not None and old is not value and lookup(old) is not None:
+        if old is not None and old is not value and sharded_param(old) is not None:
             raise RuntimeError(
                 f"parameter {key!r} of a sharded module cannot be replaced (or deleted); "
                 "call zero3.hooks.unshard_module(model) first, change it, and shard again"
@@ -81,8 +80,6 @@ class ModelHooks:
 
     def __init__(self, state: ShardedModelState) -> None:
         self.state = state
-        self.coordinator = state.coordinator
-        self.reducer = state.reducer
         self.stack: list[int] = []  # indices of modules whose forward is running
         self.pre_counts: dict[int, int] = {}
         self.in_backward_passes: dict[int, int] = {}
@@ -142,7 +139,7 @@ class ModelHooks:
         if not self.stack and not _in_backward():
             self._start_forward()
         self._span_begin("fwd", index)
-        self.coordinator.fetch_sub_module(module, forward=not _in_backward())
+        self.state.fetch(module, forward=not _in_backward())
         self.stack.append(index)
         if not torch.is_grad_enabled():
             return None
@@ -150,13 +147,12 @@ class ModelHooks:
 
     def _unwind(self) -> None:
         for stale in reversed(self.stack):
-            self.coordinator.release_sub_module(self.state.modules[stale][1])
+            self.state.release(self.state.modules[stale][1])
         self.stack.clear()
 
     def _start_forward(self) -> None:
         """The outermost forward begins: open a step unless one awaits its backward."""
-        if not self.coordinator.step_open:
-            self.coordinator.begin_step(training=torch.is_grad_enabled())
+        self.state.begin_forward()
 
     def _post_forward(
         self,
@@ -169,7 +165,7 @@ class ModelHooks:
         if not self.stack or self.stack[-1] != index:
             return None  # the forward raised before our pre-hook ran
         self._adopt_dangling(index, output)
-        self.coordinator.release_sub_module(module)
+        self.state.release(module)
         self.stack.pop()
         self._span_end("fwd", index)
         if torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors(output)):
@@ -181,10 +177,7 @@ class ModelHooks:
 
     def _end_forward(self) -> None:
         """The outermost forward ended: end the step if no backward will follow."""
-        if not self.coordinator.step_open:
-            return
-        if not self.coordinator.training_step or not any(self.pre_counts.values()):
-            self.coordinator.end_step(self.state.params)
+        self.state.end_forward(backward_pending=any(self.pre_counts.values()))
 
     def _wrap(self, fn: type[torch.autograd.Function], index: int, obj: Any) -> Any:
         tensors = [t for t in iter_tensors(obj) if t.requires_grad]
@@ -197,12 +190,12 @@ class ModelHooks:
     def _adopt_dangling(self, index: int, output: Any) -> None:
         """Sharded parameters returned in ``output`` stay whole for the caller (§4.4)."""
         for tensor in iter_tensors(output):
-            sp = lookup(tensor) if isinstance(tensor, nn.Parameter) else None
+            sp = sharded_param(tensor) if isinstance(tensor, nn.Parameter) else None
             if sp is None or sp.persistent:
                 continue
             caller = self.stack[-2] if len(self.stack) > 1 else None
             if caller is None:
-                sp.holds += 1  # the root returned it: kept until the step ends
+                self.state.hold_for_step(sp)  # the root returned it
             else:
                 self._use_external(caller, sp)
 
@@ -213,21 +206,20 @@ class ModelHooks:
         running = self.stack[-1]
         if running == owner_index:
             return
-        sp = lookup(param)
+        sp = sharded_param(param)
         if sp is None or sp.persistent:
             return
         owned = self._owned.get(running)
         if owned is None:
-            owned = frozenset(p.index for p in self.coordinator.fetch_set(running))
+            owned = frozenset(p.index for p in self.state.fetch_set(running))
             self._owned[running] = owned
         if sp.index not in owned:
             self._use_external(running, sp)
 
     def _use_external(self, module_index: int, sp: ShardedParam) -> None:
         self._owned.pop(module_index, None)
-        if self.coordinator.add_external(module_index, sp):
-            # Held under the running module: its release (which now includes sp) drops it.
-            self.coordinator.fetch_params([sp], module_index, forward=not _in_backward())
+        # Held under the running module: its release (which now includes sp) drops it.
+        self.state.use_external(module_index, sp, forward=not _in_backward())
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -240,7 +232,7 @@ class ModelHooks:
         self.in_backward_passes[module_index] = self.in_backward_passes.get(module_index, 0) + 1
         self._span_begin("bwd", module_index)
         module = self.state.modules[module_index][1]
-        self.coordinator.fetch_sub_module(module, forward=False)
+        self.state.fetch(module, forward=False)
 
     def post_backward(self, module_index: int) -> None:
         """Gradients reached the module's inputs: release once every pass is done."""
@@ -250,10 +242,7 @@ class ModelHooks:
             self.in_backward_passes[module_index] = remaining
             return
         self.in_backward_passes.pop(module_index, None)
-        module = self.state.modules[module_index][1]
-        self.coordinator.release_sub_module(module)
-        if self.coordinator.is_leaf(module_index):
-            self.reducer.leaf_done(module_index)
+        self.state.backward_done(module_index)
         self._span_end("bwd", module_index)
 
     def _on_grad(self, sp: ShardedParam, param: torch.Tensor) -> None:
@@ -261,7 +250,7 @@ class ModelHooks:
         grad = param.grad
         if grad is not None:
             param.grad = None
-            self.reducer.on_grad(sp, grad)
+            self.state.on_grad(sp, grad)
 
     def _queue_epilogue(self) -> None:
         task = int(torch._C._current_graph_task_id())
@@ -285,7 +274,7 @@ class ModelHooks:
         tracer = self.state.tracer
         starts = self._span_starts.get((phase, index))
         if tracer is not None and starts:
-            name = self.coordinator.describe(index)
+            name = self.state.modules[index][0] or "<root>"
             tracer.complete(
                 f"{phase} {name}",
                 "forward" if phase == "fwd" else "backward",
@@ -303,9 +292,7 @@ class ModelHooks:
         self._span_starts.clear()
 
     def _epilogue(self) -> None:
-        self.reducer.end_backward()
-        if self.coordinator.step_open:
-            self.coordinator.end_step(self.state.params)
+        self.state.end_backward()
         self.pre_counts.clear()
         self.in_backward_passes.clear()
         self.stack.clear()

@@ -7,9 +7,16 @@ import weakref
 from torch import nn
 
 from zero3.comm import CommBackend, create_backend
-from zero3.core import ShardedModelState, StepStats, Zero3Config, sharded_state
+from zero3.core import (
+    ShardedModelState,
+    StepStats,
+    Zero3Config,
+    mark_leaf,
+    sharded_state,
+    try_sharded_state,
+)
 from zero3.core._config import LeafTarget
-from zero3.core._state import _matches, mark_leaf, try_sharded_state
+from zero3.core._state import _matches
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
@@ -39,7 +46,7 @@ class ShardedModule:
         super().zero_grad(set_to_none)  # type: ignore[misc]
         state = try_sharded_state(self)  # type: ignore[arg-type]
         if state is not None:
-            state.reducer.end_window()
+            state.end_window()
 
 
 def _sharded_class(cls: type) -> type:

@@ -8,8 +8,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zero3.core import ShardedModelState, gathered_parameters, sharded_state
-from zero3.core._params import ParamStatus, lookup, write_full
+from zero3.core import (
+    ParamStatus,
+    ShardedModelState,
+    gathered_parameters,
+    sharded_param,
+    sharded_state,
+)
 
 __all__ = ["LoadResult", "full_state_dict", "install_state_dict_guards", "load_full_state_dict"]
 
@@ -17,7 +22,7 @@ __all__ = ["LoadResult", "full_state_dict", "install_state_dict_guards", "load_f
 def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     for name, param in dict.items(module._parameters):
         if param is not None:
-            sp = lookup(param)
+            sp = sharded_param(param)
             if sp is not None and not sp.persistent:
                 yield name, param
 
@@ -25,7 +30,7 @@ def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
 def _refuse_unavailable(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """state_dict pre-hook: a partitioned parameter has no data to save here."""
     for name, param in _sharded_items(module):
-        sp = lookup(param)
+        sp = sharded_param(param)
         if sp is None or sp.status is not ParamStatus.AVAILABLE:
             raise RuntimeError(
                 f"state_dict() of a sharded module: parameter {prefix + name!r} is partitioned "
@@ -133,7 +138,7 @@ def load_full_state_dict(
         RuntimeError: With ``strict``, missing or unexpected keys; always, a shape
             mismatch (naming the key and both shapes).
     """
-    sharded_state(module)  # a clear error for a module that is not sharded
+    state = sharded_state(module)  # a clear error for a module that is not sharded
     expected = {key: tensor for key, _, tensor in _entries(module)}
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -151,13 +156,9 @@ def load_full_state_dict(
                     f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
                     f"dict but {tuple(target.shape)} in the model"
                 )
-            sp = lookup(target)
+            sp = sharded_param(target)
             if sp is None:
                 target.copy_(value)
                 continue
-            flat = value.reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
-            start, stop = sp.valid_range(sp.rank)
-            sp.shard[: stop - start].copy_(flat[start:stop])
-            if sp.status is ParamStatus.AVAILABLE:
-                write_full(sp.param, flat)
+            state.write_full(sp, value.reshape(-1).to(device=sp.shard.device, dtype=sp.dtype))
     return LoadResult(missing, unexpected)
