@@ -10,9 +10,9 @@ import torch
 from zero3.comm import GlooBackend
 from zero3.core import Zero3Config, full_grad, local_grad, sharded_state
 from zero3.hooks import shard_module, stats
-from zero3.testing.reduce_paths import ArrivalOrderPath
 from zero3.testing import CaseError
 from zero3.testing.models import MoEBlock, Routed, build, loss_of, routed_input
+from zero3.testing.reduce_paths import ArrivalOrderPath
 
 pytestmark = pytest.mark.multirank
 

@@ -64,20 +64,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preflight(args: object, nproc: int) -> None:
     """Check flags, config, model shape and backend before starting any rank."""
-    from zero3.comm import BackendUnavailableError, registered_backends
-    from zero3.comm._registry import _load
+    from zero3.comm import backend_class
 
     settings_from(args, nproc)  # type: ignore[arg-type]
     GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
-    backend = args.backend
-    if backend != "auto":
-        if backend not in registered_backends():
-            _load()[1].get(backend)  # raises UnknownBackendError listing the names
-        reason = _load()[1].get(backend).unavailable_reason()
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"comm backend {backend!r} is not available here: {reason}"
-            )
+    if args.backend != "auto":  # "auto" is resolved by each rank on its own device
+        backend_class(args.backend)
 
 
 def _mean_and_max(comm: CommBackend, value: float, seconds: float) -> tuple[float, float]:

@@ -63,7 +63,7 @@ def model_state_bytes(model: nn.Module, opt: PartitionedOptimizer) -> tuple[int,
     state = sharded_state(model)
     held_tensors = [sp.shard for sp in state.params]
     held_tensors += [sp.param for sp in state.params if sp.persistent]
-    masters = [v for sg in opt._subgroups for v in sg.views]
+    masters = opt.master_shards()
     opt_state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     grads = state.reducer.grad_buffers()
     held = _bytes(held_tensors + masters + opt_state + grads)

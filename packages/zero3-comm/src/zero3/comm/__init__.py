@@ -22,6 +22,7 @@ from zero3.comm._nccl import NCCLBackend
 from zero3.comm._registry import (
     BackendRegistry,
     available_backends,
+    backend_class,
     create_backend,
     default_device_type,
     hookimpl,
@@ -65,6 +66,7 @@ __all__ = [
     "UnsupportedDTypeError",
     "Work",
     "available_backends",
+    "backend_class",
     "create_backend",
     "default_device_type",
     "hookimpl",

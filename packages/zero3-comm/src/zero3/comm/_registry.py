@@ -199,14 +199,13 @@ def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
     return _DEFAULT_BY_DEVICE.get(device_type, "gloo")
 
 
-def create_backend(name: str = "auto", **options: Any) -> CommBackend:
-    """Build a ready backend instance from a registered name.
+def backend_class(name: str = "auto") -> type[CommBackend]:
+    """The backend class ``name`` resolves to, checked to be usable here.
 
     Args:
         name: A registered name (:func:`registered_backends`) or ``"auto"``: a plugin's
             ``zero3_comm_default_backend`` answer if any, else ``nccl`` on CUDA, ``hccl``
             on Ascend NPU, ``gloo`` on CPU (``mpi`` when launched by ``mpiexec`` alone).
-        **options: Passed to the backend's constructor, e.g. ``timeout_s=60``.
 
     Raises:
         UnknownBackendError: ``name`` is not registered (the message lists those that are).
@@ -222,4 +221,18 @@ def create_backend(name: str = "auto", **options: Any) -> CommBackend:
             f"comm backend {resolved!r} is not available here: {reason}. "
             f"Available backends: {available}"
         )
-    return cls(**options)
+    return cls
+
+
+def create_backend(name: str = "auto", **options: Any) -> CommBackend:
+    """Build a ready backend instance from a registered name.
+
+    Args:
+        name: As for :func:`backend_class`.
+        **options: Passed to the backend's constructor, e.g. ``timeout_s=60``.
+
+    Raises:
+        UnknownBackendError: ``name`` is not registered (the message lists those that are).
+        BackendUnavailableError: The backend cannot run here (the message says why).
+    """
+    return backend_class(name)(**options)

@@ -13,7 +13,7 @@ from zero3.core._api import (
     sharded_param,
 )
 from zero3.core._buckets import GradBucket
-from zero3.core._config import Zero3Config
+from zero3.core._config import LeafTarget, Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
@@ -26,7 +26,13 @@ from zero3.core._reduce_paths import (
     Reduction,
 )
 from zero3.core._reducer import GradReducer
-from zero3.core._state import ShardedModelState, mark_leaf, sharded_state, try_sharded_state
+from zero3.core._state import (
+    ShardedModelState,
+    leaf_matches,
+    mark_leaf,
+    sharded_state,
+    try_sharded_state,
+)
 from zero3.core._stats import StepStats
 from zero3.core._trace import TraceState
 from zero3.core._tracer import Tracer
@@ -38,6 +44,7 @@ __all__ = [
     "FingerprintMismatchError",
     "GradBucket",
     "GradReducer",
+    "LeafTarget",
     "ParamCoordinator",
     "ParamStatus",
     "ReducePath",
@@ -51,6 +58,7 @@ __all__ = [
     "Zero3Config",
     "full_grad",
     "gathered_parameters",
+    "leaf_matches",
     "local_grad",
     "local_shard",
     "mark_leaf",

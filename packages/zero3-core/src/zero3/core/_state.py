@@ -20,7 +20,14 @@ from zero3.core._reducer import GradReducer
 from zero3.core._stats import StatsBook, StepStats
 from zero3.core._tracer import Tracer
 
-__all__ = ["ShardedModelState", "mark_leaf", "sharded_state", "state_of", "try_sharded_state"]
+__all__ = [
+    "ShardedModelState",
+    "leaf_matches",
+    "mark_leaf",
+    "sharded_state",
+    "state_of",
+    "try_sharded_state",
+]
 
 _log = logging.getLogger("zero3.core")
 
@@ -38,7 +45,8 @@ def _class_names(module: nn.Module) -> set[str]:
     return {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
 
 
-def _matches(module: nn.Module, target: LeafTarget) -> bool:
+def leaf_matches(module: nn.Module, target: LeafTarget) -> bool:
+    """Whether ``module`` is what a ``leaf_modules`` entry names (class or class name)."""
     if isinstance(target, str):
         return target in _class_names(module)
     return isinstance(module, target)
@@ -187,7 +195,7 @@ class ShardedModelState:
         targets = self.config.leaf_modules
         matched: set[LeafTarget] = set()
         for index, (_, mod) in enumerate(self.modules):
-            hit = [t for t in targets if _matches(mod, t)]
+            hit = [t for t in targets if leaf_matches(mod, t)]
             matched.update(hit)
             if hit or mod in _LEAF_MARKED:
                 self.coordinator.set_leaf(index, True)

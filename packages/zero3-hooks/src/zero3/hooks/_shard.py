@@ -8,15 +8,15 @@ from torch import nn
 
 from zero3.comm import CommBackend, create_backend
 from zero3.core import (
+    LeafTarget,
     ShardedModelState,
     StepStats,
     Zero3Config,
+    leaf_matches,
     mark_leaf,
     sharded_state,
     try_sharded_state,
 )
-from zero3.core._config import LeafTarget
-from zero3.core._state import _matches
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
@@ -158,7 +158,7 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
     marked, matched = [], set()
     state = try_sharded_state(module)
     for name, sub in module.named_modules():
-        hit = [t for t in targets if _matches(sub, t)]
+        hit = [t for t in targets if leaf_matches(sub, t)]
         if not hit:
             continue
         matched.update(hit)

@@ -218,6 +218,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             aliased.append(sp.dtype == torch.float32 and not sp.aliases_param)
         return _SubGroup(group, members, offsets, master, views, aliased)
 
+    def master_shards(self) -> list[torch.Tensor]:
+        """Every optimized parameter's fp32 master shard (this rank's real elements), in
+        parameter-group order: the tensors the wrapped optimizer steps (unless ``flat``).
+        """
+        return [view for sg in self._subgroups for view in sg.views]
+
     def master_shard(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master shard (this rank's real elements) of a model parameter."""
         sp = sharded_param(param)
