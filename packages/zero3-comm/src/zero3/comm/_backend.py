@@ -106,6 +106,23 @@ class CommBackend(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement duplicate()")
 
+    def host_channel(self) -> CommBackend | None:
+        """A backend over the same ranks that moves host (CPU) tensors, for small
+        control messages that must never wait for a device stream; None if this
+        backend cannot provide one.
+
+        Every rank of the group must call it, in the same order. The default is a
+        :meth:`duplicate` for host backends and None for device backends; device
+        backends built on ``torch.distributed`` open a gloo group beside themselves.
+        The caller owns the result (and closes it).
+        """
+        if self.device_type != "cpu":
+            return None
+        try:
+            return self.duplicate()
+        except NotImplementedError:
+            return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 

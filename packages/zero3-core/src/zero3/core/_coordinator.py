@@ -27,12 +27,14 @@ import logging
 import warnings
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
 from zero3.comm import CommBackend
 from zero3.core._config import Zero3Config
-from zero3.core._gather import GatherHandle, GatherLayout
-from zero3.core._params import ParamStatus, ShardedParam, free_full
+from zero3.core._gather import GatherHandle, GatherLayout, verify_fingerprints
+from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core._params import ParamStatus, ShardedParam, free_full, write_full
 from zero3.core._pool import BufferPool
 from zero3.core._stats import StatsBook
 from zero3.core._trace import Trace, TraceState
@@ -59,6 +61,8 @@ class ParamCoordinator:
         direct: For each module (same order), the sharded parameters it owns directly.
         stats: Where the step counters go.
         pool: Reusable gather buffers.
+        guard: Exchanges a header before each gather (see the guard's Note); without
+            one, gathers are checked by their in-band fingerprints, once per step.
     """
 
     def __init__(
@@ -69,8 +73,16 @@ class ParamCoordinator:
         direct: Sequence[Sequence[ShardedParam]],
         stats: StatsBook,
         pool: BufferPool,
+        guard: CollectiveGuard | None = None,
     ) -> None:
         self.comm = comm
+        self.guard = guard or CollectiveGuard(None, comm.rank, self.describe)
+        #: Steps begun so far (every rank must begin the same steps).
+        self.steps = 0
+        # Finished gathers whose fingerprints wait for one batched check (no headers).
+        self._unverified: list[GatherHandle] = []
+        #: Copies of edited whole parameters released before their edit was merged.
+        self.edits: dict[int, torch.Tensor] = {}
         self.config = config
         self.names = [name or "<root>" for name, _ in modules]
         self._index = {id(module): i for i, (_, module) in enumerate(modules)}
@@ -184,6 +196,7 @@ class ParamCoordinator:
     def begin_step(self, training: bool) -> None:
         """Start a step; ``training`` picks the training or the inference trace."""
         self.step_open = True
+        self.steps += 1
         self.training_step = training
         self.trace = self.traces["train" if training else "infer"]
         if self.trace.state is TraceState.INVALID:
@@ -202,6 +215,7 @@ class ParamCoordinator:
         for sp in all_params:
             sp.holds = 0
             self._release(sp)
+        self.verify_gathers()
         trace = self.trace
         if not self.diverged:
             if trace.state is TraceState.RECORD:
@@ -297,6 +311,33 @@ class ParamCoordinator:
                 sp.holds = max(0, sp.holds - 1)
             if sp.holds == 0:
                 self._release(sp)
+        self.verify_gathers()
+
+    def verify_gathers(self) -> None:
+        """Check the fingerprints of gathers finished since the last check (one sync)."""
+        if self._unverified:
+            handles, self._unverified = self._unverified, []
+            verify_fingerprints(handles, self.describe)
+
+    def phase(self, forward: bool) -> int:
+        """The step phase for headers: 0 between steps, 1 training forward, 2 backward,
+        3 inference forward.
+        """
+        if not self.step_open:
+            return 0
+        if not forward:
+            return 2
+        return 1 if self.training_step else 3
+
+    def _announce(self, kind: OpKind, module: int, layout: GatherLayout, forward: bool) -> str:
+        """Exchange the header of a gather; returns how its fingerprints are verified."""
+        if not self.guard.active:
+            return "later"
+        op = Op(
+            kind, self.steps, self.phase(forward), module, layout.param_hash, layout.chunk_bytes
+        )
+        self.guard.check(op)
+        return "headers"
 
     def _check_trace(self, index: int, position: int) -> bool:
         """Record or verify this fetch; return True if prefetching may follow it."""
@@ -340,6 +381,11 @@ class ParamCoordinator:
         self, params: list[ShardedParam], index: int, forward: bool, prefetch: bool
     ) -> GatherHandle:
         layout = self._layout(params)
+        if index == GATHERED_PARAMETERS:
+            kind = OpKind.GATHERED
+        else:
+            kind = OpKind.PREFETCH if prefetch else OpKind.FETCH
+        verify = self._announce(kind, index, layout, forward)
         handle = GatherHandle(
             self.comm,
             layout,
@@ -349,6 +395,7 @@ class ParamCoordinator:
             self.pool,
             kind="prefetch" if prefetch else "gather",
             issued_us=self._now(),
+            verify=verify,
         )
         stats = self.stats.current
         numel = sum(sp.numel for sp in params)
@@ -379,11 +426,16 @@ class ParamCoordinator:
         if handle.finished:
             return
         tracer = self.tracer
-        if tracer is None:
+        waited = self._now()
+        with waiting_for(lambda: self._waiting_text(handle)):
             handle.finish(self.comm.current_stream())
+        if handle.verify == "later":
+            self._unverified.append(handle)
+        if self.edits:
+            for sp in handle.layout.params:
+                self._reapply_edit(sp)
+        if tracer is None:
             return
-        waited = tracer.now_us()
-        handle.finish(self.comm.current_stream())
         end = tracer.now_us()
         name = self.describe(handle.module_index)
         kind = handle.kind
@@ -396,6 +448,13 @@ class ParamCoordinator:
             bytes=handle.layout.chunk_bytes * self.comm.world_size,
         )
         tracer.complete(f"wait {kind} {name}", "wait", waited, end)
+
+    def _waiting_text(self, handle: GatherHandle) -> str:
+        what = f"the {handle.kind} for module {self.describe(handle.module_index)!r}"
+        return (
+            f"rank {self.comm.rank} timed out waiting for {what} (step {self.steps}); "
+            f"{self.guard.last_words()}"
+        )
 
     def _now(self) -> float:
         return self.tracer.now_us() if self.tracer is not None else 0.0
@@ -420,6 +479,7 @@ class ParamCoordinator:
         if not params:
             return
         layout = self._layout(sorted(params, key=lambda sp: sp.index))
+        verify = self._announce(OpKind.REFRESH, GATHERED_PARAMETERS, layout, forward=True)
         handle = GatherHandle(
             self.comm,
             layout,
@@ -429,8 +489,10 @@ class ParamCoordinator:
             self.pool,
             kind="refresh",
             issued_us=self._now(),
+            verify=verify,
         )
         self._finish(handle)
+        self.verify_gathers()
         stats = self.stats.current
         stats.refresh_gathers += 1
         stats.refresh_bytes += layout.chunk_bytes * self.comm.world_size
@@ -512,8 +574,25 @@ class ParamCoordinator:
         if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
             self._finish(sp.handle)
         if sp.status is ParamStatus.AVAILABLE:
+            self._keep_edit(sp)
             free_full(sp.param, self.pool)
             sp.status = ParamStatus.NOT_AVAILABLE
             self.live_numel -= sp.numel
             self.live_bytes -= sp.numel * sp.shard.element_size()
         self._prefetched.discard(sp.index)
+
+    def _keep_edit(self, sp: ShardedParam) -> None:
+        """An in-place edit of a whole parameter must outlive its release: keep a copy
+        until the model state merges it into the shards (ShardedModelState.synchronize).
+        """
+        if sp.param._version != sp.version and not sp.aliases_param:
+            self.edits[sp.index] = sp.param.detach().clone()
+            sp.version = sp.param._version
+
+    def _reapply_edit(self, sp: ShardedParam) -> None:
+        """A parameter gathered again before its edit was merged shows the edit (this
+        rank keeps seeing what it wrote, as in plain PyTorch).
+        """
+        kept = self.edits.get(sp.index)
+        if kept is not None:
+            write_full(sp.param, kept.reshape(-1))

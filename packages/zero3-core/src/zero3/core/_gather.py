@@ -29,10 +29,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zero3.comm import CommBackend, Stream, Work
-from zero3.core._params import ParamStatus, ShardedParam, fill_full
+from zero3.core._params import ParamStatus, ShardedParam, fill_full, free_full
 from zero3.core._pool import BufferPool
 
-__all__ = ["FINGERPRINT_BYTES", "FingerprintMismatchError", "GatherHandle", "GatherLayout"]
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "FingerprintMismatchError",
+    "GatherHandle",
+    "GatherLayout",
+    "verify_fingerprints",
+]
 
 FINGERPRINT_BYTES = 16
 _ALIGN = 16
@@ -95,6 +101,10 @@ class GatherHandle:
         kind: ``"gather"`` (on demand), ``"prefetch"`` (ahead of use) or ``"refresh"``
             (after an optimizer step); labels the tracer's events.
         issued_us: When it was issued (tracer clock; 0 when not tracing).
+        verify: When the fingerprints are checked: ``"now"`` (on finish: one host
+            synchronisation per gather), ``"later"`` (kept in :attr:`prints` for one
+            batched check, :func:`verify_fingerprints`) or ``"headers"`` (not at all:
+            every rank announced this gather in an identical header beforehand).
     """
 
     def __init__(
@@ -108,11 +118,15 @@ class GatherHandle:
         *,
         kind: str = "gather",
         issued_us: float = 0.0,
+        verify: str = "now",
     ) -> None:
         self.layout = layout
         self.module_index = module_index
         self.kind = kind
         self.issued_us = issued_us
+        self.verify = verify
+        #: The fingerprints as received (``verify="later"``), for :func:`verify_fingerprints`.
+        self.prints: torch.Tensor | None = None
         self._describe = describe
         self._world = comm.world_size
         device = layout.params[0].shard.device
@@ -131,6 +145,11 @@ class GatherHandle:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
 
+    def received_prints(self) -> torch.Tensor:
+        """The fingerprint bytes of every rank's chunk as received (before finish)."""
+        assert self._recv is not None
+        return self._recv.view(self._world, self.layout.chunk_bytes)[:, -FINGERPRINT_BYTES:]
+
     def is_completed(self) -> bool:
         """True once the data has arrived (never blocks)."""
         return self._work is None or self._work.is_completed()
@@ -146,7 +165,10 @@ class GatherHandle:
             return
         self._work.wait(stream)
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
-        self._check_fingerprints(recv)
+        if self.verify == "now":
+            verify_fingerprints([self], self._describe)
+        elif self.verify == "later":
+            self.prints = recv[:, -FINGERPRINT_BYTES:].clone()
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
             sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
             sp.handle = None
@@ -156,31 +178,43 @@ class GatherHandle:
         self._pool.give(self._recv)
         self._recv, self._work = None, None
 
-    def _check_fingerprints(self, recv: torch.Tensor) -> None:
-        prints = recv[:, -FINGERPRINT_BYTES:].contiguous().view(torch.int32).cpu()
-        mine = self.layout.fingerprint(self.module_index).view(torch.int32)
-        if bool((prints == mine).all()):
-            return
+
+def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int], str]) -> None:
+    """Check the fingerprints of finished (or finishing) gathers with one host sync.
+
+    Raises:
+        FingerprintMismatchError: Some rank gathered something else; the parameters of
+            that gather are released (nothing half-gathered is left behind).
+    """
+    prints = [h.prints if h.prints is not None else h.received_prints() for h in handles]
+    if not prints:
+        return
+    got = torch.stack([p.contiguous().view(torch.int32) for p in prints]).cpu()
+    for handle, rows in zip(handles, got, strict=True):
+        mine = handle.layout.fingerprint(handle.module_index).view(torch.int32)
+        if bool((rows == mine).all()):
+            continue
         lines = []
-        for rank, words in enumerate(prints.tolist()):
+        for rank, words in enumerate(rows.tolist()):
             if words[0] != _MAGIC:
-                lines.append(
-                    f"  rank {rank}: issued a different collective or size (no zero3 fingerprint)"
-                )
+                text = "issued a different collective or size (no zero3 fingerprint)"
             else:
-                lines.append(
-                    f"  rank {rank}: module {self._describe(words[1])!r} "
-                    f"(parameter set #{words[2]:08x}, {words[3]} bytes per rank)"
+                text = (
+                    f"module {describe(words[1])!r} (parameter set #{words[2]:08x}, "
+                    f"{words[3]} bytes per rank)"
                 )
-        for sp in self.layout.params:  # leave nothing half-gathered behind
+            lines.append(f"  rank {rank}: {text}")
+        for sp in handle.layout.params:  # leave nothing half-gathered behind
+            if sp.status is not ParamStatus.NOT_AVAILABLE:
+                free_full(sp.param)
             sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)
-            + "\nRanks ran different modules (data-dependent control flow, e.g. MoE routing). "
-            "Mark the module that routes as a leaf (zero3.hooks.set_leaf_modules(model, "
-            "Cls) or Zero3Config(leaf_modules=(Cls,))) so its whole subtree is gathered on "
-            "every rank."
+            + "\nRanks ran different modules (data-dependent control flow, e.g. MoE "
+            "routing). Mark the module that routes as a leaf (zero3.hooks."
+            "set_leaf_modules(model, Cls) or Zero3Config(leaf_modules=(Cls,))) so its "
+            "whole subtree is gathered on every rank."
         )
 
 

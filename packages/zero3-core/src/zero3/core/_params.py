@@ -94,6 +94,9 @@ class ShardedParam:
         master: The fp32 master of this rank's real elements, where an optimizer keeps
             one apart from :attr:`shard` (non-fp32 parameters); written together with
             the shard by ``ShardedModelState.write_local``.
+        version: The parameter's autograd version counter when zero3 last knew its
+            whole data to equal the shards; a different counter means an in-place edit
+            (zero3's own fills and writes never move it).
     """
 
     index: int
@@ -113,6 +116,7 @@ class ShardedParam:
     owners: list[str] = dataclasses.field(default_factory=list)
     handle: GatherHandle | None = None
     master: torch.Tensor | None = None
+    version: int = 0
 
     @property
     def status(self) -> ParamStatus:
@@ -179,7 +183,7 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
         _T.stride, _T.storage_offset, _T.is_contiguous, _T.untyped_storage, _T.data_ptr,
         _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook,
         _T.get_device, _T.is_floating_point, _T.is_complex, _T.__len__, _T.__hash__,
-        _T._is_view,
+        _T._is_view, _T._version.__get__,
     }
 )  # fmt: skip
 _TEXT = frozenset({_T.__repr__, _T.__str__, _T.__format__})

@@ -220,6 +220,14 @@ class GradReducer:
         self._window_flags = torch.zeros(len(self.params), dtype=torch.bool)
         self._reset_backward()
 
+    def replace_params(self, params: Sequence[ShardedParam], leaf_of: Mapping[int, int]) -> None:
+        """Reduce gradients of ``params`` from now on (parameters were frozen or
+        unfrozen); only between windows.
+        """
+        self.params = list(params)
+        self._position = {sp.index: k for k, sp in enumerate(self.params)}
+        self.replan(leaf_of)
+
     def use_path(self, path: ReducePath) -> None:
         """Replace the reduction strategy (between windows); for custom strategies."""
         if self.micro_step:

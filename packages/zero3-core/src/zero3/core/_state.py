@@ -13,7 +13,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero3.comm import CommBackend, ReduceOp
 from zero3.core import _params
 from zero3.core._config import LeafTarget, Zero3Config
+from zero3.core._consistency import (
+    BufferTracker,
+    check_same_model,
+    describe_model,
+    merge_edits,
+    whole,
+)
 from zero3.core._coordinator import ParamCoordinator
+from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
@@ -87,7 +95,15 @@ class ShardedModelState:
         self.grad_comm = _duplicate(comm)
         self.stats = StatsBook(comm.world_size)
         self.modules = list(module.named_modules())
+        # Headers before size-dependent collectives travel on a host channel of their own.
+        self.control = comm.host_channel()
+        names = [name or "<root>" for name, _ in self.modules]
+        self.guard = CollectiveGuard(self.control, comm.rank, names.__getitem__)
+        check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
         self.params: list[ShardedParam] = self._partition()
+        for sp in self.params:
+            sp.version = sp.param._version  # whole data == shards from here on
+        self.buffers = BufferTracker(module)
         # The largest buffers a step needs at once: a whole-model gather (its receive
         # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
         # bucket reuses them (best fit). See BufferPool.
@@ -95,7 +111,7 @@ class ShardedModelState:
         limit = model_bytes + model_bytes // comm.world_size + (1 << 20)
         self.pool = BufferPool(limit_bytes=limit)
         self.coordinator = ParamCoordinator(
-            comm, config, self.modules, self._direct_params(), self.stats, self.pool
+            comm, config, self.modules, self._direct_params(), self.stats, self.pool, self.guard
         )
         self._apply_leaves()
         self._apply_pending_externals()
@@ -310,6 +326,7 @@ class ShardedModelState:
         coordinator = self.coordinator
         if coordinator.step_open and (not coordinator.training_step or not backward_pending):
             coordinator.end_step(self.params)
+            self.synchronize()
 
     def on_grad(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         """A parameter's full gradient for this backward (zero3 now owns ``grad``)."""
@@ -340,6 +357,7 @@ class ShardedModelState:
             ValueError: A parameter already belongs to another optimizer.
         """
         params = list(params)
+        self.synchronize()  # edits made since sharding (re-initialised weights) first
         for sp in params:
             owner = self._optimizer_of.get(sp.index)
             if owner is not None and owner is not optimizer:
@@ -380,7 +398,13 @@ class ShardedModelState:
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """A small all-reduce on the gradient backend (norms, overflow flags), counted."""
-        self.grad_comm.all_reduce(tensor, op=op).wait()
+        with waiting_for(
+            lambda: (
+                f"rank {self.comm.rank} timed out in the optimizer's all-reduce "
+                f"(step {self.coordinator.steps})"
+            )
+        ):
+            self.grad_comm.all_reduce(tensor, op=op).wait()
         self.stats.current.other_collectives += 1
 
     def publish(self, params: Iterable[ShardedParam]) -> None:
@@ -393,6 +417,68 @@ class ShardedModelState:
             if not sp.aliases_param and (sp.persistent or sp.status is ParamStatus.AVAILABLE)
         ]
         self.coordinator.refresh(whole)
+
+    # -- consistency across ranks --------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Merge every rank's in-place edits of whole parameters into the shards and
+        masters, and give every rank rank 0's changed buffers (see the Notes of
+        :mod:`zero3.core._consistency`). A collective; zero3 calls it when an optimizer
+        is built and before it steps, at the end of inference forwards, before state
+        dicts and when unsharding.
+        """
+        if self.comm.world_size == 1:
+            return
+        edited: dict[int, torch.Tensor | None] = dict(self.coordinator.edits)
+        for sp in self.params:
+            if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
+                edited[sp.index] = sp.param.detach()
+        buffers = self.buffers.buffers()
+        changed = self.buffers.changed() if self.comm.rank == 0 else [False] * len(buffers)
+        n = len(self.params)
+        flags = torch.zeros(n + len(buffers), dtype=torch.uint8)
+        for index in edited:
+            flags[index] = 1
+        flags[n:] = torch.tensor(changed, dtype=torch.uint8)
+        step = self.coordinator.steps
+        self.guard.check(Op(OpKind.SYNC, step, 0, -1, n, flags.numel()))
+        with waiting_for(lambda: f"rank {self.comm.rank} timed out synchronising step {step}"):
+            on_device = flags.to(self.comm.device())
+            self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
+            flags = on_device.cpu()
+            flagged = [self.params[int(i)] for i in torch.nonzero(flags[:n]).flatten()]
+            if flagged:
+                merge_edits(self, edited, flagged)
+            moved = [b for (_, b), f in zip(buffers, flags[n:].tolist(), strict=True) if f]
+            if moved:
+                _broadcast_from_rank0(self.comm, moved)
+        self.coordinator.edits.clear()
+        self.buffers.mark_seen()
+        for sp in flagged:
+            sp.version = sp.param._version
+        self.coordinator.refresh([sp for sp in flagged if whole(sp) and not sp.aliases_param])
+        self.stats.current.other_collectives += 1
+
+    def refresh_trainable(self) -> list[ShardedParam]:
+        """Re-plan gradient buckets if parameters were frozen or unfrozen since sharding;
+        returns the parameters that became trainable (they need gradient hooks).
+
+        Raises:
+            RuntimeError: The set changed in the middle of an accumulation window.
+        """
+        trainable = [sp for sp in self.params if sp.requires_grad]
+        planned = self.reducer.params
+        if [sp.index for sp in trainable] == [sp.index for sp in planned]:
+            return []
+        if self.reducer.micro_step:
+            changed = sorted({sp.name for sp in trainable} ^ {sp.name for sp in planned})
+            raise RuntimeError(
+                f"zero3: requires_grad changed for {changed[:5]} in the middle of a gradient "
+                "accumulation window; freeze or unfreeze parameters between optimizer steps"
+            )
+        known = {sp.index for sp in planned}
+        self.reducer.replace_params(trainable, self._leaf_of())
+        return [sp for sp in trainable if sp.index not in known]
 
     # -- writing parameter values ---------------------------------------------------------
 
@@ -413,14 +499,20 @@ class ShardedModelState:
         self.write_local(sp, flat[start:stop])
         if sp.status is ParamStatus.AVAILABLE and not sp.aliases_param:
             _params.write_full(sp.param, flat)
+        # The whole data (if any) equals the shards again: no edit pending.
+        sp.version = sp.param._version
+        self.coordinator.edits.pop(sp.index, None)
 
     def full_grad(self, sp: ShardedParam) -> torch.Tensor | None:
         """``sp``'s full gradient for the window, gathered from every rank (a collective)."""
         shard = self.reducer.grad_shard(sp)
         if shard is None:
             return None
+        nbytes = shard.numel() * shard.element_size()
+        self.guard.check(Op(OpKind.FULL_GRAD, self.coordinator.steps, 0, -1, sp.index, nbytes))
         out = torch.empty(sp.padded_numel, dtype=shard.dtype, device=shard.device)
-        self.grad_comm.all_gather(out, shard.contiguous()).wait()
+        with waiting_for(lambda: f"rank {self.comm.rank} timed out in full_grad({sp.name!r})"):
+            self.grad_comm.all_gather(out, shard.contiguous()).wait()
         self.stats.current.other_collectives += 1
         return out[: sp.numel].view(sp.shape)
 
@@ -430,6 +522,7 @@ class ShardedModelState:
         """Gather every parameter for good and forget the partitioning."""
         if self.coordinator.step_open:
             self.coordinator.end_step(self.params)
+        self.synchronize()
         self.coordinator.fetch_params(self.params, -1, forward=True)
         for sp in self.params:
             _params.unregister(sp.param)
@@ -437,6 +530,8 @@ class ShardedModelState:
         _STATES.pop(self.module, None)
         if self.grad_comm is not self.comm:
             self.grad_comm.close()
+        if self.control is not None:
+            self.control.close()
 
 
 def _duplicate(comm: CommBackend) -> CommBackend:

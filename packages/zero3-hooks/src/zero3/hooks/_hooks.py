@@ -45,6 +45,21 @@ from zero3.hooks._tree import iter_tensors, map_tensors
 __all__ = ["ModelHooks", "ParamAccessDict"]
 
 
+_DOUBLE_BACKWARD_REFUSED = (
+    "zero3: double backward (backward or torch.autograd.grad with create_graph=True, e.g. "
+    "a gradient penalty) is not supported on a sharded model: zero3 frees each "
+    "parameter's full data once its backward is done and reduces gradients into shards, "
+    "so a graph of the gradient cannot be built. Compute such terms on an unsharded "
+    "model (or a module left out of shard_module)."
+)
+_COMPILE_REFUSED = (
+    "zero3: torch.compile of a sharded model is not supported: its forward hooks gather "
+    "and release parameters, which Dynamo cannot trace. Run the sharded model eagerly "
+    "(submodules compiled with torch.compile before shard_module still run compiled "
+    "kernels inside it)."
+)
+
+
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
@@ -87,6 +102,7 @@ class ModelHooks:
         self._handles: list[RemovableHandle] = []
         self._access_dicts: list[tuple[nn.Module, ParamAccessDict]] = []
         self._owned: dict[int, frozenset[int]] = {}
+        self._grad_hooked: set[int] = set()
         self._span_starts: dict[tuple[str, int], list[float]] = {}
 
     # -- installation -------------------------------------------------------------------
@@ -110,11 +126,15 @@ class ModelHooks:
             self._access_dicts.append((module, access))
         for sp in self.state.params:
             if sp.param.requires_grad:
-                self._handles.append(
-                    sp.param.register_post_accumulate_grad_hook(
-                        functools.partial(self._on_grad, sp)
-                    )
-                )
+                self._hook_grad(sp)
+
+    def _hook_grad(self, sp: ShardedParam) -> None:
+        if sp.index in self._grad_hooked:
+            return
+        self._grad_hooked.add(sp.index)
+        self._handles.append(
+            sp.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, sp))
+        )
 
     def remove(self) -> None:
         """Remove every hook and restore the modules' parameter dicts."""
@@ -151,7 +171,16 @@ class ModelHooks:
         self.stack.clear()
 
     def _start_forward(self) -> None:
-        """The outermost forward begins: open a step unless one awaits its backward."""
+        """The outermost forward begins: open a step unless one awaits its backward.
+
+        A training forward also picks up parameters unfrozen since the last step
+        (progressive unfreezing): their gradients are reduced from now on.
+        """
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_REFUSED)
+        if torch.is_grad_enabled():
+            for sp in self.state.refresh_trainable():
+                self._hook_grad(sp)
         self.state.begin_forward()
 
     def _post_forward(
@@ -225,6 +254,8 @@ class ModelHooks:
 
     def pre_backward(self, module_index: int) -> None:
         """Gradients reached the module's outputs: gather (seed §2.5)."""
+        if torch.is_grad_enabled():  # backward runs with grad enabled only for create_graph
+            raise RuntimeError(_DOUBLE_BACKWARD_REFUSED)
         self._queue_epilogue()
         count = self.pre_counts.get(module_index, 0)
         if count > 0:

@@ -327,6 +327,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         tracer = self._zstate.tracer
         start = tracer.now_us() if tracer is not None else 0.0
         try:
+            # Edits made to whole parameters since the last step reach the masters first.
+            self._zstate.synchronize()
             if self.fp16 and self._overflow():
                 self.scaler.update(overflow=True)
                 return loss
