@@ -10,6 +10,7 @@ from zero3.core._buckets import GradBucket
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._gather import FingerprintMismatchError
+from zero3.core._leaves import LeafTarget, ModulePath, match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._reducer import GradReducer
 from zero3.core._state import ShardedModelState, sharded_state
@@ -21,6 +22,8 @@ __all__ = [
     "FingerprintMismatchError",
     "GradBucket",
     "GradReducer",
+    "LeafTarget",
+    "ModulePath",
     "ParamCoordinator",
     "ParamStatus",
     "ShardedModelState",
@@ -33,6 +36,7 @@ __all__ = [
     "gathered_parameters",
     "local_grad",
     "local_shard",
+    "match_leaf_modules",
     "register_external_parameter",
     "sharded_state",
 ]
