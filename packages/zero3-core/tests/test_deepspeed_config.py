@@ -353,10 +353,10 @@ def test_the_docs_table_lists_every_key():
     if not docs.exists():
         pytest.skip("not run from a source checkout")
     text = docs.read_text()
+    table = text[text.index(".. _deepspeed-config:") : text.index("Flags of the training job")]
     missing = [
-        f"{section}.{key}" if section else key
+        key if section in ("", "zero_optimization") else f"{section}.{key}"
         for section, keys in known_keys().items()
         for key in keys
-        if f"``{key}``" not in text
     ]
-    assert missing == []
+    assert [key for key in missing if f"``{key}``" not in table] == []

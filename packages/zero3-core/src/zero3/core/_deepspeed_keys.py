@@ -33,10 +33,6 @@ def _size_at_least_one(label: str, value: Any) -> int:
     return max(1, check_int(label, value, minimum=0))
 
 
-def _number(label: str, value: Any) -> float:
-    return check_float(label, value)
-
-
 def _positive(label: str, value: Any) -> float:
     return check_float(label, value, positive=True)
 
@@ -61,10 +57,6 @@ def _string(label: str, value: Any) -> str:
 
 def _optional_bool(label: str, value: Any) -> bool | None:
     return None if value is None else check_bool(label, value)
-
-
-def _anything(label: str, value: Any) -> Any:
-    return value
 
 
 def mapping(label: str, value: Any) -> Mapping[str, Any]:
@@ -404,15 +396,11 @@ BF16: dict[str, Key] = {
         about="param_dtype",
         auto='precision stays off unless set: write true, or pass param_dtype="bf16"',
     ),
+    # DeepSpeed's stage 3 checks overflow with fp16 only, as zero3 does, and
+    # immediate_grad_update belongs to its stage 0/1 bf16 optimizer.
     **_k(
-        "check_grad_overflow", check=check_bool, default=True,
-        todo="zero3 checks gradients for inf/NaN (and skips the step) with fp16 only: "
-        "a bf16 step is always taken",
-    ),
-    **_k(
-        "immediate_grad_update", check=check_bool, default=False,
-        todo="zero3 reduces gradients once per bucket and accumulates them in "
-        "reduce_dtype (communication_data_type) until the step",
+        "check_grad_overflow", "immediate_grad_update",
+        check=check_bool, default=False, active=lambda v: False,
     ),
     **_k(
         "bf16_master_weights_and_grads", "bf16_optimizer_states", check=check_bool,
@@ -521,8 +509,10 @@ TOP: dict[str, Key] = {
     **_k("seq_parallel_communication_data_type", check=dtype_name, active=lambda v: False),
     **_k("use_data_before_expert_parallelism", check=check_bool, default=False,
          active=lambda v: False),
-    **_k("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "disable_allgather",
+    **_k("zero_allow_untested_optimizer", "disable_allgather",
          check=check_bool, default=False, active=lambda v: False),
+    **_k("zero_force_ds_cpu_optimizer", check=check_bool, default=True,
+         active=lambda v: False),
     **_k("tensor_parallel", check=_tensor_parallel,
          active=lambda v: v.get("autotp_size", 0) > 1,
          refuse="zero3 is data parallel only (every rank holds a 1/N shard of every "

@@ -97,7 +97,7 @@ def match_leaf_modules(
 
     Args:
         root: The model.
-        targets: Leaf targets (see :data:`LeafTarget`).
+        targets: Leaf targets (classes, class names or :class:`ModulePath` places).
         source: Who asks, for the error message (``"Zero3Config.leaf_modules"``).
 
     Returns:
@@ -105,7 +105,7 @@ def match_leaf_modules(
         name is ``""``.
 
     Raises:
-        TypeError: A target is not a :data:`LeafTarget`.
+        TypeError: A target is not a class, a class name or a ModulePath.
         ValueError: A target selects no module; the message names every such target,
             the model, and the closest names the model has.
     """
