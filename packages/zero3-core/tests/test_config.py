@@ -92,7 +92,7 @@ def test_leaf_modules_hold_classes_names_and_module_paths():
     targets = (nn.Linear, "MoEBlock", ModulePath("layers.0.mlp"), ModulePath("mlp", suffix=True))
     assert Zero3Config(leaf_modules=targets).leaf_modules == targets
     assert Zero3Config(leaf_modules=ModulePath("a")).leaf_modules == (ModulePath("a"),)
-    with pytest.raises(TypeError, match="ModulePath.path must be a non-empty module name"):
+    with pytest.raises(TypeError, match=r"ModulePath\.path must be a non-empty module name"):
         ModulePath("")
-    with pytest.raises(TypeError, match="ModulePath.suffix must be a bool"):
+    with pytest.raises(TypeError, match=r"ModulePath\.suffix must be a bool"):
         ModulePath("a", suffix="yes")  # type: ignore[arg-type]

@@ -105,7 +105,7 @@ def test_the_transformers_zero3_config_loads_unchanged(caplog):
 def test_keyword_arguments_override_the_file():
     assert Zero3Config.from_deepspeed(DS, overlap_comm=True).overlap_comm
     both = {**_zero(), "bf16": {"enabled": True}, "fp16": {"enabled": True}}
-    with pytest.raises(ValueError, match="bf16.enabled and fp16.enabled are both true"):
+    with pytest.raises(ValueError, match=r"bf16\.enabled and fp16\.enabled are both true"):
         Zero3Config.from_deepspeed(both)
     assert Zero3Config.from_deepspeed(both, param_dtype="bf16").param_dtype is torch.bfloat16
     auto = {**_zero(), "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
@@ -197,7 +197,11 @@ def test_null_where_deepspeed_means_off_is_accepted():
 
 @pytest.mark.parametrize(
     ("clip", "match"),
-    [(-1, "must be >= 0"), (math.nan, "must be a finite number"), (math.inf, "must be a finite number")],
+    [
+        (-1, "must be >= 0"),
+        (math.nan, "must be a finite number"),
+        (math.inf, "must be a finite number"),
+    ],
 )
 def test_gradient_clipping_negative_nan_or_infinite_is_an_error(clip, match):
     # The same rule as Zero3Config(gradient_clipping=...): 0 is off, the rest an error.
@@ -233,14 +237,14 @@ def test_bad_scales_are_errors(fp16, match):
 def test_nan_sizes_from_json_are_errors(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 3, "reduce_bucket_size": NaN}}')
-    with pytest.raises(ValueError, match="zero_optimization.reduce_bucket_size must be a finite"):
+    with pytest.raises(ValueError, match=r"zero_optimization\.reduce_bucket_size must be a finite"):
         Zero3Config.from_deepspeed(path)
 
 
 def test_unreadable_files_are_named(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 3},}')
-    with pytest.raises(ValueError, match="bad.json is not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad\.json is not valid JSON"):
         Zero3Config.from_deepspeed(bad)
     twice = tmp_path / "twice.json"
     twice.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": 1, '

@@ -75,5 +75,5 @@ def test_unmatched_targets_are_named_with_the_model(target, match):
 
 
 def test_bad_targets_are_type_errors():
-    with pytest.raises(TypeError, match="src entries must be nn.Module subclasses"):
+    with pytest.raises(TypeError, match=r"src entries must be nn\.Module subclasses"):
         match_leaf_modules(_model(), [3], source="src")  # type: ignore[list-item]
