@@ -157,8 +157,10 @@ class Zero3Config:
             ``shard_module(comm=...)`` keeps its own ``timeout_s``.
         sync_module_states: Broadcast rank 0's parameters and buffers when sharding,
             so ranks that initialized differently still train one model (as DDP does).
-        extras: Read-only mapping of settings zero3 does not use itself (batch sizes,
-            optimizer, scheduler... from a DeepSpeed config), kept for the caller.
+        extras: Read-only mapping of settings zero3 does not act on, kept for the
+            training loop: the DeepSpeed keys :meth:`from_deepspeed` leaves to it (batch
+            sizes, optimizer, scheduler, offload...) by dotted name (``"optimizer"``,
+            ``"zero_optimization.offload_param"``), with the file's values.
     """
 
     prefetch_bucket_size: int = 50_000_000

@@ -193,7 +193,7 @@ def _offload(keys: frozenset[str]) -> Callable[[str, Any], Mapping[str, Any] | N
         section = mapping(label, value)
         no_unknown(label, section, keys)
         device = section.get("device", "none")
-        if device not in ("none", "cpu", "nvme"):
+        if device not in ("none", "cpu", "nvme", AUTO):  # DeepSpeed reads "auto" as none
             raise ValueError(f"{label}.device must be 'none', 'cpu' or 'nvme', got {device!r}")
         return section
 
@@ -201,7 +201,7 @@ def _offload(keys: frozenset[str]) -> Callable[[str, Any], Mapping[str, Any] | N
 
 
 def _offloading(value: Any) -> bool:
-    return isinstance(value, Mapping) and value.get("device", "none") != "none"
+    return isinstance(value, Mapping) and value.get("device", "none") not in ("none", AUTO)
 
 
 _OFFLOAD_PARAM = frozenset(
