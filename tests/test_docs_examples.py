@@ -108,8 +108,8 @@ CASES = [
             "param_persistence_threshold=100,000",
             "max_reuse_distance=0, param_dtype=torch.bfloat16",
             "gradient_clipping=1.0, backend='gloo'",
-            "refused: zero_optimization.offload_optimizer: zero3 does not implement",
-            "refused: zero_optimization.stage3_prefetch_bucket is not a DeepSpeed ZeRO-3 setting",
+            "refused: zero_optimization.stage is 2: zero3 implements ZeRO stage 3 only",
+            "refused: zero_optimization.stage3_prefetch_bucket is not a DeepSpeed setting",
         ],
     ),
 ]

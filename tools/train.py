@@ -64,9 +64,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preflight(args: object, nproc: int) -> None:
     """Check flags, config, model shape and backend before starting any rank."""
+    import logging
+
     from zero3.comm import backend_class
 
-    settings_from(args, nproc)  # type: ignore[arg-type]
+    # The DeepSpeed config is read once here, before any rank starts: its INFO lines (each
+    # "auto" resolved, each key zero3 leaves to this loop) are shown once, not per rank.
+    notes = logging.StreamHandler(sys.stdout)
+    notes.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("zero3.core")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(notes)
+    try:
+        settings_from(args, nproc)  # type: ignore[arg-type]
+    finally:
+        logger.removeHandler(notes)
+        logger.setLevel(level)
     GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
     if args.backend != "auto":  # "auto" is resolved by each rank on its own device
         backend_class(args.backend)

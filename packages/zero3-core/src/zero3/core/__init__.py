@@ -13,9 +13,10 @@ from zero3.core._api import (
     sharded_param,
 )
 from zero3.core._buckets import GradBucket
-from zero3.core._config import LeafTarget, Zero3Config
+from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._gather import FingerprintMismatchError
+from zero3.core._leaves import LeafTarget, ModulePath, match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._pool import BufferPool
 from zero3.core._reduce_paths import (
@@ -28,7 +29,6 @@ from zero3.core._reduce_paths import (
 from zero3.core._reducer import GradReducer
 from zero3.core._state import (
     ShardedModelState,
-    leaf_matches,
     mark_leaf,
     sharded_state,
     try_sharded_state,
@@ -45,6 +45,7 @@ __all__ = [
     "GradBucket",
     "GradReducer",
     "LeafTarget",
+    "ModulePath",
     "ParamCoordinator",
     "ParamStatus",
     "ReducePath",
@@ -58,10 +59,10 @@ __all__ = [
     "Zero3Config",
     "full_grad",
     "gathered_parameters",
-    "leaf_matches",
     "local_grad",
     "local_shard",
     "mark_leaf",
+    "match_leaf_modules",
     "register_external_parameter",
     "sharded_param",
     "sharded_state",

@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zero3.comm import CommBackend, ReduceOp
 from zero3.core import _params
-from zero3.core._config import LeafTarget, Zero3Config
+from zero3.core._config import Zero3Config
 from zero3.core._consistency import (
     BufferTracker,
     check_same_model,
@@ -22,6 +22,7 @@ from zero3.core._consistency import (
 )
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core._leaves import match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
@@ -30,7 +31,6 @@ from zero3.core._tracer import Tracer
 
 __all__ = [
     "ShardedModelState",
-    "leaf_matches",
     "mark_leaf",
     "sharded_state",
     "state_of",
@@ -46,18 +46,6 @@ _PENDING_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = (
     weakref.WeakKeyDictionary()
 )
 _SYNC_CHUNK = 1 << 26  # elements per broadcast when syncing rank 0's weights
-
-
-def _class_names(module: nn.Module) -> set[str]:
-    cls = type(module)
-    return {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
-
-
-def leaf_matches(module: nn.Module, target: LeafTarget) -> bool:
-    """Whether ``module`` is what a ``leaf_modules`` entry names (class or class name)."""
-    if isinstance(target, str):
-        return target in _class_names(module)
-    return isinstance(module, target)
 
 
 def mark_leaf(module: nn.Module) -> None:
@@ -208,19 +196,13 @@ class ShardedModelState:
         return sp
 
     def _apply_leaves(self) -> None:
-        targets = self.config.leaf_modules
-        matched: set[LeafTarget] = set()
+        matched = match_leaf_modules(
+            self.module, self.config.leaf_modules, source="Zero3Config.leaf_modules"
+        )
+        chosen = {id(mod) for _, mod in matched}
         for index, (_, mod) in enumerate(self.modules):
-            hit = [t for t in targets if leaf_matches(mod, t)]
-            matched.update(hit)
-            if hit or mod in _LEAF_MARKED:
+            if id(mod) in chosen or mod in _LEAF_MARKED:
                 self.coordinator.set_leaf(index, True)
-        missing = [t for t in targets if t not in matched]
-        if missing:
-            raise ValueError(
-                f"Zero3Config.leaf_modules: no module of {type(self.module).__name__} matches "
-                f"{missing!r} (give classes, or qualified/bare class names of submodules)"
-            )
 
     def _apply_pending_externals(self) -> None:
         for index, (_, mod) in enumerate(self.modules):

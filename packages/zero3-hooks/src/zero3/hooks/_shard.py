@@ -12,8 +12,8 @@ from zero3.core import (
     ShardedModelState,
     StepStats,
     Zero3Config,
-    leaf_matches,
     mark_leaf,
+    match_leaf_modules,
     sharded_state,
     try_sharded_state,
 )
@@ -145,7 +145,8 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
 
     Args:
         module: The (root) model.
-        *targets: Module classes, or qualified or bare class names.
+        *targets: Module classes, qualified or bare class names, or
+            :class:`~zero3.core.ModulePath` places in the model.
 
     Returns:
         The qualified names of the modules marked.
@@ -155,23 +156,14 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
     """
     if not targets:
         raise ValueError("set_leaf_modules needs at least one class or class name")
-    marked, matched = [], set()
     state = try_sharded_state(module)
-    for name, sub in module.named_modules():
-        hit = [t for t in targets if leaf_matches(sub, t)]
-        if not hit:
-            continue
-        matched.update(hit)
-        marked.append(name or "<root>")
+    matched = match_leaf_modules(module, targets, source="set_leaf_modules")
+    for _, sub in matched:
         if state is None:
             mark_leaf(sub)
         else:
             state.set_leaf(sub, True)
-    missing = [t for t in targets if t not in matched]
-    if missing:
-        raise ValueError(
-            f"set_leaf_modules: no submodule of {type(module).__name__} matches {missing!r}"
-        )
+    marked = [name or "<root>" for name, _ in matched]
     if state is not None:
         hooks = _HOOKS[module]
         hooks.remove()
