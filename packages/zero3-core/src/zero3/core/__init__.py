@@ -16,6 +16,7 @@ from zero3.core._buckets import GradBucket
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._gather import FingerprintMismatchError
+from zero3.core._guard import OpKind
 from zero3.core._leaves import LeafTarget, ModulePath, match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._pool import BufferPool
@@ -46,6 +47,7 @@ __all__ = [
     "GradReducer",
     "LeafTarget",
     "ModulePath",
+    "OpKind",
     "ParamCoordinator",
     "ParamStatus",
     "ReducePath",

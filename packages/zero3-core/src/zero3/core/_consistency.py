@@ -26,10 +26,13 @@ Note (in-place edits of whole parameters):
 
 Note (buffers):
     Buffers are not sharded: each rank keeps its own. Like DDP (``broadcast_buffers``),
-    zero3 makes rank 0's buffers win: at every synchronisation point the buffers that
-    changed on rank 0 (version counter or object) are broadcast, so running statistics
-    (BatchNorm) are identical on every rank and ``full_state_dict`` returns the same
-    buffers everywhere.
+    zero3 makes rank 0's buffers win: at every synchronisation point rank 0's
+    persistent buffers (those ``state_dict`` saves) are broadcast, so running
+    statistics (BatchNorm) are identical on every rank and ``full_state_dict`` returns
+    the same buffers everywhere. All of them, every time: BatchNorm updates its running
+    statistics inside its kernel without moving their version counters, so changes
+    cannot be detected. Non-persistent buffers (causal masks, rotary frequencies) are
+    computed by the model itself and are left alone.
 """
 
 from __future__ import annotations
@@ -51,7 +54,13 @@ from zero3.core._params import ParamStatus, ShardedParam
 if TYPE_CHECKING:
     from zero3.core._state import ShardedModelState
 
-__all__ = ["BufferTracker", "check_same_model", "describe_model", "merge_edits"]
+__all__ = [
+    "check_same_model",
+    "describe_model",
+    "merge_edits",
+    "persistent_buffers",
+    "whole",
+]
 
 #: Configuration fields that may differ between ranks without harm.
 _LOCAL_FIELDS = frozenset({"extras", "timeout_s"})
@@ -123,25 +132,14 @@ def _differences(descriptions: list[str]) -> str:
     )
 
 
-class BufferTracker:
-    """Which buffers changed on this rank since the last synchronisation."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self._seen: dict[str, tuple[int, int]] = {}
-        self.mark_seen()
-
-    def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """Every real (non-meta) buffer, in a deterministic order."""
-        return [(n, b) for n, b in self.module.named_buffers() if not b.is_meta]
-
-    def changed(self) -> list[bool]:
-        """Per buffer (same order as :meth:`buffers`): changed since last seen."""
-        return [self._seen.get(name) != (id(buf), buf._version) for name, buf in self.buffers()]
-
-    def mark_seen(self) -> None:
-        """Remember every buffer's current object and version."""
-        self._seen = {name: (id(buf), buf._version) for name, buf in self.buffers()}
+def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """Every real (non-meta) buffer that ``state_dict`` saves, in a deterministic order."""
+    found = []
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta and name not in sub._non_persistent_buffers_set:
+                found.append(buf)
+    return found
 
 
 def merge_edits(

@@ -198,41 +198,47 @@ class CollectiveGuard:
 
 
 def _likely_cause(ops: list[Op]) -> str:
+    """What the headers suggest went wrong (every observation that applies)."""
     kinds = {o.kind for o in ops}
-    steps = {o.step for o in ops}
+    steps = sorted({o.step for o in ops})
     phases = {o.phase for o in ops}
-    if OpKind.CHECK in kinds and len(kinds) == 1:
-        return "the ranks sharded different models or configurations (see above)."
+    modules = {o.module for o in ops}
+    causes = []
+    if kinds == {OpKind.CHECK}:
+        causes.append("the ranks sharded different models or configurations.")
     if OpKind.LOAD in kinds and len(kinds) > 1:
-        return (
+        causes.append(
             "load_full_state_dict was called on some ranks only. It is a collective: "
             "call it on every rank, each with the full state dict (torch.load(..., "
             "mmap=True) keeps that cheap)."
         )
     if kinds & {OpKind.GATHERED, OpKind.FULL_GRAD} and len(kinds) > 1:
-        return (
+        causes.append(
             "a collective helper (full_state_dict, gathered_parameters, full_grad) was "
             "called on some ranks only; every rank must call it, in the same order."
         )
     if len(steps) > 1:
-        return (
-            "the ranks are at different steps: uneven numbers of forward passes (a data "
-            "loader with more batches on some ranks, or evaluation or an extra forward on "
-            "some ranks only). Every rank must run the same number of forward passes."
+        causes.append(
+            f"the ranks are at different steps ({steps[0]} to {steps[-1]}): uneven numbers "
+            "of forward passes (a data loader with more batches on some ranks, or an extra "
+            "forward on some ranks only). Every rank must run the same forward passes."
         )
     if {1, 3} <= phases:
-        return (
+        causes.append(
             "some ranks run an inference forward (no_grad/eval) while others train: "
             "evaluation on some ranks only? Every rank must run it."
         )
-    if len(kinds) > 1 and OpKind.SYNC in kinds:
-        return "some ranks ended the step (or called the optimizer) while others did not."
-    modules = {o.module for o in ops}
-    if len(modules) > 1:
-        return (
+    if OpKind.SYNC in kinds and len(kinds) > 1:
+        causes.append(
+            "some ranks stepped the optimizer (or ended an inference step) while others did not."
+        )
+    if not causes and len(modules) > 1:
+        causes.append(
             "the ranks ran different modules at the same point: data-dependent control "
             "flow (e.g. MoE routing that runs different experts). Mark the module that "
             "routes as a leaf (zero3.hooks.set_leaf_modules(model, Cls) or "
             "Zero3Config(leaf_modules=...)) so its whole subtree is gathered on every rank."
         )
-    return "the ranks built or configured the model differently."
+    if not causes:
+        causes.append("the ranks built or configured the model differently.")
+    return " Also: ".join(causes)

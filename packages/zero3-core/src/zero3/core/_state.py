@@ -14,10 +14,10 @@ from zero3.comm import CommBackend, ReduceOp
 from zero3.core import _params
 from zero3.core._config import Zero3Config
 from zero3.core._consistency import (
-    BufferTracker,
     check_same_model,
     describe_model,
     merge_edits,
+    persistent_buffers,
     whole,
 )
 from zero3.core._coordinator import ParamCoordinator
@@ -91,7 +91,6 @@ class ShardedModelState:
         self.params: list[ShardedParam] = self._partition()
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
-        self.buffers = BufferTracker(module)
         # The largest buffers a step needs at once: a whole-model gather (its receive
         # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
         # bucket reuses them (best fit). See BufferPool.
@@ -415,31 +414,32 @@ class ShardedModelState:
         for sp in self.params:
             if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
                 edited[sp.index] = sp.param.detach()
-        buffers = self.buffers.buffers()
-        changed = self.buffers.changed() if self.comm.rank == 0 else [False] * len(buffers)
         n = len(self.params)
-        flags = torch.zeros(n + len(buffers), dtype=torch.uint8)
+        flags = torch.zeros(n, dtype=torch.uint8)
         for index in edited:
             flags[index] = 1
-        flags[n:] = torch.tensor(changed, dtype=torch.uint8)
         step = self.coordinator.steps
         self.guard.check(Op(OpKind.SYNC, step, 0, -1, n, flags.numel()))
         with waiting_for(lambda: f"rank {self.comm.rank} timed out synchronising step {step}"):
             on_device = flags.to(self.comm.device())
             self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
-            flags = on_device.cpu()
-            flagged = [self.params[int(i)] for i in torch.nonzero(flags[:n]).flatten()]
+            flagged = [self.params[int(i)] for i in torch.nonzero(on_device.cpu()).flatten()]
             if flagged:
                 merge_edits(self, edited, flagged)
-            moved = [b for (_, b), f in zip(buffers, flags[n:].tolist(), strict=True) if f]
-            if moved:
-                _broadcast_from_rank0(self.comm, moved)
+            buffers = persistent_buffers(self.module)
+            if buffers:
+                _broadcast_from_rank0(self.comm, buffers)
         self.coordinator.edits.clear()
-        self.buffers.mark_seen()
         for sp in flagged:
             sp.version = sp.param._version
         self.coordinator.refresh([sp for sp in flagged if whole(sp) and not sp.aliases_param])
         self.stats.current.other_collectives += 1
+
+    def agree(self, kind: OpKind) -> None:
+        """Check that every rank enters the same collective helper now (``kind``);
+        raises on every rank, naming what each one does, if not.
+        """
+        self.guard.check(Op(kind, self.coordinator.steps))
 
     def refresh_trainable(self) -> list[ShardedParam]:
         """Re-plan gradient buckets if parameters were frozen or unfrozen since sharding;

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zero3.core import (
+    OpKind,
     ParamStatus,
     ShardedModelState,
     gathered_parameters,
@@ -98,6 +99,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, to
             taken part in the gathers).
     """
     state = sharded_state(module)
+    state.synchronize()  # pending edits and rank 0's buffers first: every rank alike
     keep = not rank0_only or state.comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
@@ -128,17 +130,18 @@ def load_full_state_dict(
 ) -> LoadResult:
     """Load a full (unsharded) state dict into a sharded module.
 
-    Each rank writes its own shard of every parameter from the full tensors (so every
-    rank needs the full state dict, e.g. loaded with ``mmap=True``); persistent and
-    currently gathered parameters are updated whole too. No collective is needed.
-    Build the :class:`~zero3.optim.PartitionedOptimizer` after loading: its fp32
-    masters are copied from the shards when it is created.
+    A collective: every rank calls it, each with the full state dict (loaded with
+    ``mmap=True`` it costs little memory); each rank writes its own shard of every
+    parameter (and the fp32 master, if an optimizer exists) from the full tensors, and
+    persistent or gathered parameters whole. A call on some ranks only raises on every
+    rank instead of leaving a model half loaded.
 
     Raises:
         RuntimeError: With ``strict``, missing or unexpected keys; always, a shape
             mismatch (naming the key and both shapes).
     """
     state = sharded_state(module)  # a clear error for a module that is not sharded
+    state.agree(OpKind.LOAD)  # a collective: a rank that skips it fails every rank now
     expected = {key: tensor for key, _, tensor in _entries(module)}
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
