@@ -515,6 +515,106 @@ class ShardedModelState:
         if self.control is not None:
             self.control.close()
 
+    # -- device and dtype (``module.to``) -----------------------------------------------
+
+    def convert(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> bool:
+        """Apply ``module.to(device, dtype)`` to the sharded parameters: cast each
+        floating-point parameter's shard (and its whole data where it is whole here) to
+        ``dtype``; check that ``device`` is where the comm backend moves tensors.
+        Returns whether anything was cast (``zero3.hooks.ShardedModule.to`` calls it).
+
+        A cast is collective (it first merges pending edits, as :meth:`synchronize`
+        does): every rank casts. A call that changes nothing is local and free.
+
+        Note (why a device is only checked):
+            A sharded parameter lives where its comm backend gathers and reduces it
+            (``shard_module`` refuses any other device), so the one device a sharded
+            model can be "moved" to is the one it is on; any other is an error naming
+            both, not a silent copy the backend could not use.
+
+        Note (no cast once an optimizer exists):
+            A ``PartitionedOptimizer`` keeps an fp32 master of every parameter it steps
+            (for an fp32 parameter, the shard itself) and writes its results back in the
+            parameter's dtype, so that dtype is part of the optimizer's layout. Casting
+            after building one is refused: cast first (or set ``Zero3Config.param_dtype``).
+
+        Raises:
+            ValueError: ``device`` is not the comm backend's; the cast would change
+                parameters an optimizer steps; it comes in the middle of a step or a
+                gradient accumulation window, or inside a ``gathered_parameters`` block.
+            TypeError: ``dtype`` is not a floating-point dtype.
+        """
+        if device is not None:
+            self._check_device(torch.device(device))
+        if dtype is None:
+            return False
+        if not dtype.is_floating_point:
+            raise TypeError(
+                f"zero3: a sharded module casts to floating-point dtypes only, got {dtype}"
+            )
+        changing = [sp for sp in self.params if sp.dtype.is_floating_point and sp.dtype != dtype]
+        if not changing:
+            return False
+        stepped = [sp.name for sp in changing if sp.index in self._optimizer_of]
+        if stepped:
+            raise ValueError(
+                f"zero3: cannot cast {type(self.module).__name__} to {dtype}: a "
+                f"PartitionedOptimizer already keeps fp32 masters of {stepped[:3]} (and "
+                f"{max(0, len(stepped) - 3)} more) in their current dtype "
+                f"({changing[0].dtype}). Cast the model (model.to({dtype})) or set "
+                "Zero3Config.param_dtype before building the optimizer"
+            )
+        busy = self.coordinator.step_open or self.reducer.micro_step
+        pinned = [sp.name for sp in changing if sp.pinned]
+        if busy or pinned:
+            where = (
+                f"inside a gathered_parameters block holding {pinned[:3]}"
+                if pinned
+                else "in the middle of a step or a gradient accumulation window"
+            )
+            raise ValueError(
+                f"zero3: cannot cast {type(self.module).__name__} to {dtype} {where}; "
+                "cast between steps, after the optimizer step (or zero_grad)"
+            )
+        self.synchronize()  # whole parameters' edits reach the shards before the cast
+        with torch.no_grad():
+            for sp in changing:
+                self._cast(sp, dtype)
+        self.reducer.replan(self._leaf_of())  # buckets and gradient buffers by dtype
+        for trace in self.coordinator.traces.values():
+            trace.invalidate()
+        return True
+
+    def _check_device(self, device: torch.device) -> None:
+        here = self.params[0].shard.device if self.params else self.comm.device()
+        if device.type == here.type and device.index in (None, here.index):
+            return
+        raise ValueError(
+            f"zero3: cannot move the sharded {type(self.module).__name__} to {device}: its "
+            f"{self.comm.name!r} comm backend gathers and reduces {self.comm.device_type} "
+            f"tensors and the shards live on {here}. Move the model before shard_module, "
+            "with a backend for that device (Zero3Config.backend)"
+        )
+
+    def _cast(self, sp: ShardedParam, dtype: torch.dtype) -> None:
+        """Cast one parameter's shard and, where it has them, its whole data."""
+        param = sp.param
+        if sp.aliases_param:  # a world of one: the shard is the parameter's own data
+            param.data = param.data.to(dtype)
+            sp.shard = param.detach().reshape(-1)
+        elif whole(sp):
+            sp.shard = sp.shard.to(dtype)
+            param.data = param.data.to(dtype)
+        else:
+            sp.shard = sp.shard.to(dtype)
+            # The released parameter keeps its shape with no bytes: give it an empty
+            # storage of the new dtype (allocated, then freed, one parameter at a time).
+            sp.status = ParamStatus.AVAILABLE  # its own class again, so .data may be set
+            param.data = torch.empty(sp.shape, dtype=dtype, device=param.device)
+            _params.free_full(param)
+            sp.status = ParamStatus.NOT_AVAILABLE
+        sp.version = param._version
+
 
 def _duplicate(comm: CommBackend) -> CommBackend:
     try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from zero3.comm import CommBackend, create_backend
@@ -28,6 +30,7 @@ __all__ = [
     "unshard_module",
 ]
 
+_M = TypeVar("_M", bound="ShardedModule")
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
 _CLASSES: dict[type, type] = {}
 
@@ -47,6 +50,66 @@ class ShardedModule:
         state = try_sharded_state(self)  # type: ignore[arg-type]
         if state is not None:
             state.end_window()
+
+    def to(self: _M, *args: Any, **kwargs: Any) -> _M:
+        """``nn.Module.to`` for a sharded module: casts the parameter shards to a
+        floating-point dtype (before an optimizer is built), checks the device, and
+        moves or casts buffers as ``nn.Module.to`` does.
+
+        The shards already live on the device the comm backend serves, so ``.to()`` of
+        that device changes nothing (trainers call it); another device is an error
+        naming both. A cast is collective (every rank casts); after a
+        ``PartitionedOptimizer`` exists the parameters' dtype is fixed (its fp32
+        masters follow it) and a cast is an error saying to cast first. See
+        :meth:`zero3.core.ShardedModelState.convert`.
+        """
+        state = try_sharded_state(self)  # type: ignore[arg-type]
+        if state is None:  # unsharded while this class was still in place
+            return super().to(*args, **kwargs)  # type: ignore[misc, no-any-return]
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is not None:
+            raise ValueError(
+                "zero3: .to(memory_format=...) is not supported on a sharded module; set "
+                "the memory format before shard_module"
+            )
+        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(
+                f"nn.Module.to only accepts floating point or complex dtypes, but got desired "
+                f"dtype={dtype}"
+            )
+        state.convert(device, dtype)
+        for module in self.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    cast = dtype if dtype is not None and buf.is_floating_point() else None
+                    module._buffers[key] = buf.to(device, cast, non_blocking)
+        return self
+
+    def cpu(self: _M) -> _M:
+        """``.to("cpu")`` (see :meth:`to`)."""
+        return self.to("cpu")
+
+    def cuda(self: _M, device: int | torch.device | None = None) -> _M:
+        """``.to("cuda")`` (see :meth:`to`)."""
+        if device is None:
+            return self.to("cuda")
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device)
+
+    def float(self: _M) -> _M:
+        """``.to(torch.float32)`` (see :meth:`to`)."""
+        return self.to(torch.float32)
+
+    def half(self: _M) -> _M:
+        """``.to(torch.float16)`` (see :meth:`to`)."""
+        return self.to(torch.float16)
+
+    def bfloat16(self: _M) -> _M:
+        """``.to(torch.bfloat16)`` (see :meth:`to`)."""
+        return self.to(torch.bfloat16)
+
+    def double(self: _M) -> _M:
+        """``.to(torch.float64)`` (see :meth:`to`)."""
+        return self.to(torch.float64)
 
 
 def _sharded_class(cls: type) -> type:

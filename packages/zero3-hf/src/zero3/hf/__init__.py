@@ -1,0 +1,1 @@
+"""zero3.hf: the transformers Trainer on zero3."""
