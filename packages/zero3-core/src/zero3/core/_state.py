@@ -587,7 +587,10 @@ class ShardedModelState:
 
     def _check_device(self, device: torch.device) -> None:
         here = self.params[0].shard.device if self.params else self.comm.device()
-        if device.type == here.type and device.index in (None, here.index):
+        # Every CPU index names the same memory ("cpu:0" is what some launchers give).
+        if device.type == here.type and (
+            device.type == "cpu" or device.index in (None, here.index)
+        ):
             return
         raise ValueError(
             f"zero3: cannot move the sharded {type(self.module).__name__} to {device}: its "

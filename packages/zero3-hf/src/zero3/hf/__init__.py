@@ -1,1 +1,21 @@
-"""zero3.hf: the transformers Trainer on zero3."""
+"""zero3.hf: the transformers Trainer on zero3 — DeepSpeed's ZeRO-3 path, without DeepSpeed.
+
+::
+
+    from zero3.hf import Zero3Trainer
+
+    trainer = Zero3Trainer(
+        model=model,
+        args=TrainingArguments(output_dir="out", bf16=True, gradient_accumulation_steps=2),
+        train_dataset=dataset,
+        zero3_config="ds_config.json",  # a DeepSpeed ZeRO-3 JSON ("auto" filled), or a Zero3Config
+    )
+    trainer.train()
+    trainer.save_model("out/final")  # consolidated safetensors: from_pretrained("out/final")
+
+Run it under ``torchrun --nproc-per-node N``.
+"""
+
+from zero3.hf._trainer import Zero3Trainer
+
+__all__ = ["Zero3Trainer"]

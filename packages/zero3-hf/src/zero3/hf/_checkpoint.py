@@ -1,0 +1,81 @@
+"""What Zero3Trainer keeps in a checkpoint beside the model and optimizer.
+
+Note (one checkpoint, any world size):
+    The Trainer's own checkpoint folder (``checkpoint-{step}``) holds its
+    ``trainer_state.json`` (written by the Trainer, read before anything is built) and
+    a ``zero3`` directory: one DCP checkpoint (``zero3.optim.save_checkpoint``) with
+    the model's shards, the optimizer's fp32 masters and state, the loss scaler, and in
+    ``extra`` the learning-rate scheduler's state and each rank's RNG states under its
+    own key (``rng_rank{r}``). DCP reshards the model and optimizer on load, so a run
+    resumes at another world size; a rank with no saved RNG state (a larger world)
+    keeps its own, as the stock Trainer does when a process has no RNG file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ZERO3_DIR", "restore_rng", "rng_key", "rng_state", "zero3_dir"]
+
+_log = logging.getLogger("zero3.hf")
+
+#: The DCP checkpoint's directory inside a Trainer checkpoint folder.
+ZERO3_DIR = "zero3"
+
+
+def zero3_dir(checkpoint: str | os.PathLike[str]) -> str:
+    """The zero3 checkpoint inside a Trainer checkpoint folder."""
+    return os.path.join(checkpoint, ZERO3_DIR)
+
+
+def rng_key(rank: int) -> str:
+    """The ``extra`` key of one rank's RNG states."""
+    return f"rng_rank{rank}"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain values (python, numpy, torch CPU,
+    and the current accelerator device's, where there is one).
+    """
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(words), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Set this process's RNGs from :func:`rng_state`'s result."""
+    python = state["python"]
+    words = tuple(int(w) for w in python["state"].tolist())
+    random.setstate((int(python["version"]), words, python["gauss"]))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            str(numpy_state["kind"]),
+            numpy_state["keys"].numpy().astype(np.uint32),
+            int(numpy_state["pos"]),
+            int(numpy_state["has_gauss"]),
+            float(numpy_state["cached_gaussian"]),
+        )
+    )
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,530 @@
+"""Zero3Trainer: the transformers Trainer on zero3's ZeRO-3 sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.training_args import ParallelMode
+
+from zero3.core import Zero3Config, try_sharded_state
+from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, zero3_dir
+from zero3.hf._deepspeed import (
+    check_scheduler_steps,
+    fill_from_training_args,
+    warn_unused_sections,
+)
+from zero3.hf._optim import Zero3AcceleratedOptimizer, build_partitioned, scale_loss_gradient
+from zero3.hooks import load_full_state_dict, shard_module
+from zero3.optim import PartitionedOptimizer
+
+__all__ = ["Zero3Trainer"]
+
+_log = logging.getLogger("zero3.hf")
+
+TRAINER_STATE_NAME = "trainer_state.json"
+TRAINING_ARGS_NAME = "training_args.bin"
+#: Where save_model writes its DCP checkpoint before consolidating it.
+_CONSOLIDATING = ".zero3-consolidating"
+#: DeepSpeed keys the Trainer fills from TrainingArguments, kept in Zero3Config.extras.
+_LOOP_KEYS = (
+    "optimizer",
+    "scheduler",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+)
+
+Zero3ConfigLike = Zero3Config | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def _args_dtype(args: TrainingArguments) -> torch.dtype | None:
+    """The parameter dtype the DeepSpeed integration gives these arguments."""
+    if args.bf16 or args.bf16_full_eval:
+        return torch.bfloat16
+    if args.fp16 or args.fp16_full_eval:
+        return torch.float16
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise ValueError(f"DeepSpeed config {path}: key(s) {repeated} appear twice")
+        return dict(pairs)
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"DeepSpeed config {path}: cannot read it ({exc})") from exc
+    try:
+        data = json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"DeepSpeed config {path} must hold a JSON object")
+    return data
+
+
+def _refuse_unsupported(args: TrainingArguments) -> None:
+    problems = []
+    if args.deepspeed:
+        problems.append(
+            "TrainingArguments.deepspeed is set: Zero3Trainer replaces DeepSpeed; pass the "
+            "DeepSpeed config as Zero3Trainer(zero3_config=...) and leave deepspeed unset"
+        )
+    if args.fsdp:
+        problems.append("TrainingArguments.fsdp is set: zero3 shards the model itself")
+    if args.torch_compile:
+        problems.append("torch_compile=True: zero3's hooks do not run under torch.compile")
+    if getattr(args, "parallelism_config", None) is not None:
+        problems.append("parallelism_config is set: zero3 is data parallel only")
+    if problems:
+        raise ValueError("Zero3Trainer: " + "; ".join(problems))
+
+
+class Zero3Trainer(Trainer):  # type: ignore[misc]
+    """The transformers ``Trainer`` running on zero3: DeepSpeed's ZeRO-3 path, without
+    DeepSpeed.
+
+    It takes the Trainer's arguments plus ``zero3_config``, shards the model (or takes
+    one already sharded by ``zero3.hooks.shard_module``), builds the optimizer and
+    scheduler the Trainer would build (``optim``, ``learning_rate``, ``weight_decay``
+    with the Trainer's no-decay groups, ``lr_scheduler_type``, warmup) as a
+    :class:`~zero3.optim.PartitionedOptimizer`, clips with ``max_grad_norm`` through
+    it, and never wraps the model in DDP: zero3 reduces the gradients itself. A run
+    equals the stock Trainer under DDP with the same ``TrainingArguments``.
+
+    ``bf16=True`` / ``fp16=True`` cast the parameters (fp32 masters in the optimizer,
+    fp16 loss scaling), as the DeepSpeed integration does, instead of autocast.
+    Checkpoints (``save_steps``, ``save_strategy``) are DCP checkpoints in the
+    Trainer's ``checkpoint-{step}`` folders that ``resume_from_checkpoint`` loads at any
+    world size; :meth:`save_model` writes consolidated safetensors and ``config.json``
+    without gathering the model on one rank.
+
+    Args:
+        model: A model (sharded here, after ``torch.distributed`` is set up from
+            ``args``), or a module already returned by ``zero3.hooks.shard_module``
+            (then ``zero3_config`` must be None: the model's own config is used).
+        args: The ``TrainingArguments``.
+        *trainer_args: The Trainer's other positional arguments.
+        zero3_config: A :class:`~zero3.core.Zero3Config`, or a DeepSpeed JSON config
+            (path or dict) whose ``"auto"`` values are filled from ``args`` as
+            transformers fills them for DeepSpeed; default ``Zero3Config()``.
+        **trainer_kwargs: The Trainer's other keyword arguments (``optimizers`` must be
+            a PartitionedOptimizer over the sharded model, if given).
+
+    Raises:
+        ValueError: DeepSpeed, FSDP, torch.compile or tensor parallelism requested; a
+            DeepSpeed config value that differs from its TrainingArguments value; a
+            precision or clipping setting of ``zero3_config`` that contradicts ``args``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        *trainer_args: Any,
+        zero3_config: Zero3ConfigLike | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")
+        _refuse_unsupported(args)
+        self._zero3_source = zero3_config
+        #: The Zero3Config the model is sharded with.
+        self.zero3_config: Zero3Config | None = None
+        #: The DeepSpeed config with its "auto" values filled (None without one).
+        self.deepspeed_config: dict[str, Any] | None = None
+        self._resume_extra: dict[str, Any] = {}
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"Zero3Trainer: this process sees {args.n_gpu} GPUs and the Trainer would use "
+                "nn.DataParallel; launch one process per GPU (torchrun --nproc-per-node N)"
+            )
+        _ = args.device  # sets up torch.distributed from the launcher, before sharding
+        if model is not None:
+            model = self._zero3_model(model, args)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.optimizer is not None and not isinstance(self.optimizer, PartitionedOptimizer):
+            raise ValueError(
+                "Zero3Trainer: optimizers=(optimizer, scheduler) must hold a "
+                f"zero3.optim.PartitionedOptimizer over the sharded model, got "
+                f"{type(self.optimizer).__name__} (it would step no gradient: they live in "
+                "zero3's shards). Leave optimizers unset to get the Trainer's own optimizer"
+            )
+        if self.optimizer is not None and self.optimizer.module is not self.model:
+            raise ValueError("Zero3Trainer: the PartitionedOptimizer steps another model")
+
+    # -- the model ----------------------------------------------------------------------
+
+    def _zero3_model(self, model: nn.Module, args: TrainingArguments) -> nn.Module:
+        """Shard ``model`` (or check an already sharded one) for these arguments."""
+        state = try_sharded_state(model)
+        if state is not None:
+            if self._zero3_source is not None:
+                raise ValueError(
+                    "Zero3Trainer: the model is already sharded with its own Zero3Config; "
+                    "pass zero3_config=None (or pass the unsharded model)"
+                )
+            self._check_clipping(state.config.gradient_clipping, args)
+            wanted = _args_dtype(args)
+            if wanted is not None:
+                state.convert(dtype=wanted)  # as param_dtype would (parameters only)
+            self.zero3_config = state.config
+            self.deepspeed_config = self._filled_sections(dict(state.config.extras), args, model)
+            return model
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                "Zero3Trainer: the model has parameters on the meta device; shard it first "
+                "with zero3.hooks.shard_module(model, config, checkpoint=...) (or "
+                "param_init_fn=model._init_weights) and pass the sharded model"
+            )
+        config = self._resolve_config(model, args)
+        self.zero3_config = config
+        return shard_module(model, config)
+
+    def _resolve_config(self, model: nn.Module, args: TrainingArguments) -> Zero3Config:
+        source = self._zero3_source
+        dtype = _args_dtype(args)
+        if source is None:
+            return Zero3Config(param_dtype=dtype)
+        if isinstance(source, Zero3Config):
+            self._check_clipping(source.gradient_clipping, args)
+            if source.param_dtype is not None and dtype is not None and source.param_dtype != dtype:
+                raise ValueError(
+                    f"Zero3Trainer: Zero3Config.param_dtype is {source.param_dtype} but the "
+                    f"TrainingArguments ask for {dtype} (bf16/fp16); make them agree"
+                )
+            self.deepspeed_config = self._filled_sections(dict(source.extras), args, model)
+            # The Trainer clips with max_grad_norm (checked equal above).
+            return dataclasses.replace(
+                source, param_dtype=source.param_dtype or dtype, gradient_clipping=None
+            )
+        if isinstance(source, str | os.PathLike):
+            raw = _read_json(Path(source))
+        elif isinstance(source, Mapping):
+            raw = dict(source)
+        else:
+            raise TypeError(
+                "Zero3Trainer: zero3_config must be a Zero3Config, a DeepSpeed config dict "
+                f"or the path of its JSON file, got {type(source).__name__}"
+            )
+        filled = fill_from_training_args(raw, args, model)
+        self.deepspeed_config = filled
+        warn_unused_sections(filled, args, self._optimizer_cls(args, model))
+        # The Trainer clips with max_grad_norm (the file's value was checked against it).
+        return Zero3Config.from_deepspeed(filled, gradient_clipping=None)
+
+    def _filled_sections(
+        self, extras: dict[str, Any], args: TrainingArguments, model: nn.Module
+    ) -> dict[str, Any] | None:
+        """A Zero3Config's DeepSpeed leftovers (batch sizes, optimizer, scheduler) are
+        filled and checked against ``args`` as a DeepSpeed config would be.
+        """
+        sections = {key: extras[key] for key in _LOOP_KEYS if key in extras}
+        if not sections:
+            return None
+        filled = fill_from_training_args(sections, args, model)
+        warn_unused_sections(filled, args, self._optimizer_cls(args, model))
+        return filled
+
+    def _optimizer_cls(self, args: TrainingArguments, model: nn.Module) -> type:
+        chosen = getattr(self, "optimizer_cls_and_kwargs", None)
+        cls = chosen[0] if chosen else self.get_optimizer_cls_and_kwargs(args, model)[0]
+        return cls if isinstance(cls, type) else type(cls)
+
+    @staticmethod
+    def _check_clipping(clip: float | None, args: TrainingArguments) -> None:
+        wanted = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        if clip is not None and clip != wanted:
+            raise ValueError(
+                f"Zero3Trainer: Zero3Config.gradient_clipping is {clip} but "
+                f"TrainingArguments.max_grad_norm is {args.max_grad_norm}; the Trainer clips "
+                "with max_grad_norm: set gradient_clipping to None (or equal)"
+            )
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """``model_init``'s model, sharded."""
+        return self._zero3_model(super().call_model_init(trial), self.args)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """accelerate without mixed precision: zero3 casts the parameters itself (the
+        DeepSpeed integration's behaviour), so no autocast and no GradScaler.
+        """
+        accelerator_args: dict[str, Any] = super()._build_accelerator_args(**kwargs)
+        accelerator_args["mixed_precision"] = "no"
+        return accelerator_args
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
+        """Never wrapped (no DataParallel, no DDP): zero3 reduces gradients itself."""
+        return model
+
+    # -- optimizer, scheduler, the step ------------------------------------------------
+
+    @property
+    def partitioned_optimizer(self) -> PartitionedOptimizer | None:
+        """The PartitionedOptimizer stepping the model (None before training)."""
+        opt = self.optimizer
+        if isinstance(opt, Zero3AcceleratedOptimizer):
+            return opt.partitioned
+        return opt if isinstance(opt, PartitionedOptimizer) else None
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer (``optim``, its arguments, the no-decay groups) as a
+        PartitionedOptimizer, wrapped for accelerate.
+        """
+        if self.optimizer is None:
+            model = self.model
+            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(
+                self.args, model
+            )
+            decay = self.get_decay_parameter_names(model)
+            self.optimizer = build_partitioned(model, self.args, decay, cls, dict(kwargs))
+        if isinstance(self.optimizer, PartitionedOptimizer):
+            self.optimizer = Zero3AcceleratedOptimizer(self.optimizer)
+        optimizer: torch.optim.Optimizer = self.optimizer
+        return optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """The Trainer's scheduler; a DeepSpeed config's step counts are checked first."""
+        if self.lr_scheduler is None and self.deepspeed_config is not None:
+            check_scheduler_steps(self.deepspeed_config, self.args, num_training_steps)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+    ) -> tuple[nn.Module, Any]:
+        """Optimizer and scheduler, then the checkpoint: no DDP, no ``accelerator.prepare``
+        of the model (its MULTI_CPU/MULTI_GPU branch wraps it in DDP), and loading
+        happens here, once the optimizer exists.
+        """
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_optimizer()
+        self.optimizer = self.accelerator.prepare_optimizer(self.optimizer)
+        self.create_scheduler(num_training_steps=max_steps)
+        model = self.model
+        self.model_wrapped = model
+        if resume_from_checkpoint is not None:
+            self._load_zero3_checkpoint(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _require_optimizer(self) -> PartitionedOptimizer:
+        opt = self.partitioned_optimizer
+        if opt is None:
+            raise RuntimeError("Zero3Trainer: no optimizer yet (train() builds it)")
+        return opt
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Clip by the global norm over every rank's gradient shards (``param.grad`` of
+        a sharded model is None, so the Trainer's own clipping would see nothing).
+        """
+        return self._require_optimizer().clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float:
+        if grad_norm is None:
+            grad_norm = self._require_optimizer().clip_grad_norm_(math.inf)
+        return float(grad_norm)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The Trainer's loss; with fp16 parameters its gradient carries the loss scale."""
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        opt = self.partitioned_optimizer
+        if opt is None or not opt.fp16 or not torch.is_grad_enabled() or not model.training:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return scale_loss_gradient(loss, opt.loss_scale), outputs
+        return scale_loss_gradient(result, opt.loss_scale)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, with the model, optimizer, scheduler and RNG states
+        in one DCP checkpoint (every rank writes its shards) instead of rank 0's files.
+        """
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, folder)
+        if self.args.save_only_model:
+            self.save_model(output_dir, _internal_call=True)
+        else:
+            self._save_zero3_checkpoint(output_dir)
+        if (
+            self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
+            and self.state.best_global_step
+        ):
+            if self.args.parallel_mode == ParallelMode.DISTRIBUTED:
+                dist.barrier()
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if os.path.exists(best):
+                self.state.best_model_checkpoint = best
+        if self.args.should_save:
+            exportable = [*self.callback_handler.callbacks, self.control]
+            for cb in [cb for cb in exportable if isinstance(cb, ExportableState)]:
+                name = type(cb).__name__
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def _save_zero3_checkpoint(self, output_dir: str) -> None:
+        from zero3.optim import save_checkpoint  # TEMP until issue 15 is on main
+
+        os.makedirs(output_dir, exist_ok=True)
+        rank = self.args.process_index
+        extra: dict[str, Any] = {
+            "global_step": self.state.global_step,
+            "world_size": self.args.world_size,
+            rng_key(rank): rng_state(),
+        }
+        if self.lr_scheduler is not None:
+            extra["scheduler"] = self.lr_scheduler.state_dict()
+        save_checkpoint(zero3_dir(output_dir), self.model, self._require_optimizer(), extra=extra)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Called by ``train()`` before the optimizer exists: only check that the folder
+        holds a zero3 checkpoint; it is loaded once the optimizer is built.
+        """
+        if not os.path.isdir(zero3_dir(resume_from_checkpoint)):
+            raise ValueError(
+                f"Zero3Trainer: no zero3 checkpoint in {resume_from_checkpoint} (expected "
+                f"{zero3_dir(resume_from_checkpoint)}, written by Zero3Trainer's checkpoints). "
+                "To start from weights, load them into the model before training"
+            )
+
+    def _load_zero3_checkpoint(self, checkpoint: str) -> None:
+        from zero3.optim import load_checkpoint  # TEMP until issue 15 is on main
+
+        extra = load_checkpoint(zero3_dir(checkpoint), self.model, self._require_optimizer())
+        if self.lr_scheduler is not None and "scheduler" in extra:
+            self.lr_scheduler.load_state_dict(extra["scheduler"])
+        self._resume_extra = {"checkpoint": checkpoint, **extra}
+        if extra.get("world_size") != self.args.world_size:
+            _log.info(
+                "zero3: resuming at world size %s from a checkpoint saved at %s",
+                self.args.world_size,
+                extra.get("world_size"),
+            )
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """This rank's RNG states from the zero3 checkpoint (a rank the saving world did
+        not have keeps its own, as the stock Trainer does without an RNG file).
+        """
+        if checkpoint is None:
+            return
+        state = self._resume_extra.get(rng_key(self.args.process_index))
+        if self._resume_extra.get("checkpoint") != checkpoint or state is None:
+            _log.info(
+                "zero3: no RNG state for rank %d in %s (saved by %s ranks); reproducibility "
+                "of random ops is not guaranteed",
+                self.args.process_index,
+                checkpoint,
+                self._resume_extra.get("world_size"),
+            )
+            return
+        restore_rng(state)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        assert best is not None
+        _log.info("zero3: loading the best model from %s", best)
+        from zero3.optim import load_checkpoint  # TEMP until issue 15 is on main
+
+        if os.path.isdir(zero3_dir(best)):
+            load_checkpoint(zero3_dir(best), self.model, None)
+        else:  # save_only_model: consolidated safetensors
+            load_full_state_dict(self.model, _read_safetensors(best))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model as ``save_pretrained`` would (``model.safetensors`` or several
+        files and an index, ``config.json``), plus the tokenizer and training arguments,
+        so ``from_pretrained(output_dir)`` loads it. A collective: every rank writes its
+        shards into a DCP checkpoint, then rank 0 consolidates it one tensor at a time;
+        no rank ever holds the whole model.
+        """
+        from zero3.core import checkpoint_group, raise_on_every_rank  # TEMP (issue 15)
+        from zero3.optim import consolidate_checkpoint, save_checkpoint  # TEMP (issue 15)
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        staging = os.path.join(output_dir, _CONSOLIDATING)
+        save_checkpoint(staging, self.model, None)
+        error: BaseException | None = None
+        if self.args.process_index == 0:
+            try:
+                consolidate_checkpoint(staging, output_dir)
+                shutil.rmtree(staging)
+                self._save_extras(output_dir)
+            except Exception as exc:
+                error = exc
+        raise_on_every_rank(checkpoint_group(self.model), error)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_extras(self, output_dir: str) -> None:
+        """What ``Trainer._save`` writes beside the weights (rank 0)."""
+        generation = getattr(self.model, "generation_config", None)
+        can_generate = getattr(self.model, "can_generate", None)
+        if generation is not None and callable(can_generate) and can_generate():
+            generation.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``save_pretrained`` directory (one file or an index)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(safetensors.torch.load_file(os.path.join(directory, name)))
+    return state
