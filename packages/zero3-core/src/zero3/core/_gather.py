@@ -124,7 +124,7 @@ class GatherHandle:
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
-            sp.status = ParamStatus.INFLIGHT
+            sp.set_status(ParamStatus.INFLIGHT)
             sp.handle = self
         send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
         if stream is not None:
@@ -148,7 +148,7 @@ class GatherHandle:
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
         self._check_fingerprints(recv)
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
-            sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
+            sp.set_status(ParamStatus.AVAILABLE)  # first: it gives the parameter its class back
             sp.handle = None
             _copy_out(sp, recv, offset, self._pool)
         # On devices the buffer goes back only after the consumer stream used it; on
@@ -173,7 +173,8 @@ class GatherHandle:
                     f"(parameter set #{words[2]:08x}, {words[3]} bytes per rank)"
                 )
         for sp in self.layout.params:  # leave nothing half-gathered behind
-            sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+            sp.handle = None
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)
