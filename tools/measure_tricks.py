@@ -1,6 +1,6 @@
 """Measure why zero3 plays three tricks on user objects, against their alternatives.
 
-    .venv/bin/python tools/measure_tricks.py            # CPU only, ~30 s, prints a table
+    .venv/bin/python tools/measure_tricks.py     # CPU only, ~30 s of CPU time, prints a table
 
 zero3 changes objects the user owns in three places; each is kept for the reasons this
 script measures (the ``Note:`` blocks next to the code quote its figures):
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -233,16 +234,19 @@ def released_class(rounds: int) -> list[Row]:
 # -- 2. the parameter-access dict ---------------------------------------------------------
 
 
+#: ``self.weight`` reads per timed forward of ``Reader``.
+READS = 20_000
+
+
 class Reader(nn.Module):
     """Times ``self.weight`` reads from inside its own forward (a module's usual read)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(4))
-        self.reads = 20_000
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.reads):
+        for _ in range(READS):
             self.weight  # noqa: B018 - the read is what is timed
         return x
 
@@ -266,7 +270,7 @@ def access_dict(rounds: int) -> list[Row]:
     plain, hooked = Reader(), sharded(Reader(), world=1)
     x = torch.zeros(1)
     times = best_times({"plain": lambda: plain(x), "hooked": lambda: hooked(x)}, rounds, 1)
-    per_plain, per_hooked = times["plain"] / plain.reads, times["hooked"] / hooked.reads
+    per_plain, per_hooked = times["plain"] / READS, times["hooked"] / READS
     extra = per_hooked - per_plain
     w = Workload()  # the benchmark's GPT (tools/bench.py), at its size
     gpt = build(w)
@@ -299,7 +303,9 @@ def access_dict(rounds: int) -> list[Row]:
 
 def _unseen(module: nn.Module, name: str) -> nn.Parameter:
     """A parameter read that bypasses ParamAccessDict: what a guard-only engine sees."""
-    return dict.__getitem__(module._parameters, name)  # type: ignore[no-any-return]
+    param = dict.__getitem__(module._parameters, name)
+    assert isinstance(param, nn.Parameter)
+    return param
 
 
 class Outsider(nn.Module):
@@ -467,7 +473,10 @@ def main() -> None:
         print(_detect(args.detect[0], int(args.detect[1])))
         return
     rows = released_class(args.rounds) + access_dict(args.rounds) + zero_grad_window()
-    print(f"torch {torch.__version__}, one thread")
+    load = os.getloadavg()[0]
+    print(
+        f"torch {torch.__version__}, one thread; load average {load:.1f} on {os.cpu_count()} CPUs"
+    )
     for line in _table(rows):
         print(line)
 

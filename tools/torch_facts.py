@@ -1,6 +1,6 @@
 """Check the torch behaviours zero3's design relies on, and print what this torch does.
 
-    .venv/bin/python tools/torch_facts.py            # one process, CPU, a few seconds
+    .venv/bin/python tools/torch_facts.py            # CPU, ~15 s of CPU time
     .venv/bin/python tools/torch_facts.py --spawn    # also time starting gloo worlds
 
 Each row is one fact of docs/facts.rst, observed afresh: rerun it when torch moves.
@@ -25,6 +25,11 @@ from torch.autograd.variable import Variable
 from torch.utils.checkpoint import checkpoint
 
 Row = tuple[str, str]
+
+
+def _short(text: str, limit: int = 64) -> str:
+    """The first ``limit`` characters of a message, cut at a word."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def data_swap_frees_nothing() -> Row:
@@ -57,7 +62,7 @@ def _resize_refill(preserve: bool) -> str:
     try:
         out.sum().backward()
     except RuntimeError as exc:
-        return "backward raised: " + str(exc).split(";")[0][:60] + "..."
+        return "backward raised: " + _short(str(exc), 60)
     return "backward ran"
 
 
@@ -193,13 +198,13 @@ def inference_mode_tensors() -> list[Row]:
             born.add_(1)
         rows.append(("in-place write to an inference-mode tensor, outside", "allowed"))
     except RuntimeError as exc:
-        rows.append(("in-place write to an inference-mode tensor, outside", str(exc)[:58]))
+        rows.append(("in-place write to an inference-mode tensor, outside", _short(str(exc))))
     lin = nn.Linear(4, 4)
     try:
         (born * lin(torch.randn(2, 4))).sum().backward()
         rows.append(("inference-mode tensor saved for backward", "allowed"))
     except RuntimeError as exc:
-        rows.append(("inference-mode tensor saved for backward", str(exc)[:52]))
+        rows.append(("inference-mode tensor saved for backward", _short(str(exc))))
     return rows
 
 
@@ -258,7 +263,8 @@ def _one_all_gather() -> bool:
     import torch.distributed as dist
 
     out = torch.empty(dist.get_world_size())
-    dist.all_gather_into_tensor(out, torch.ones(1))
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # 2.13's name
+    gather(out, torch.ones(1))
     return bool(out.sum() == dist.get_world_size())
 
 
@@ -307,7 +313,8 @@ def main() -> None:
         got = check()
         rows.extend([got] if isinstance(got, tuple) else list(got))
     width = max(len(fact) for fact, _ in rows)
-    print(f"torch {torch.__version__}")
+    load = os.getloadavg()[0]
+    print(f"torch {torch.__version__}; load average {load:.1f} on {os.cpu_count()} CPUs")
     for fact, observed in rows:
         print(f"{fact:<{width}}  {observed}")
 
