@@ -31,13 +31,13 @@ Note (reading a released parameter):
 
     Alternative tried: leave classes alone and push one global ``TorchFunctionMode``
     that checks every op's arguments for released parameters. It taxes every op of the
-    process, released parameter or not: 1.2x the time of a small GPT's (TinyGPT's)
-    forward+backward (~23 us per op), 1.4-1.9x once sharded (the mode also sees zero3's
-    own gather and copy ops), against 0.4-0.7% of the sharded step for the class changes
-    (1.4-2.5 us per release + gather, 58 per step). A global mode would also stack with
-    the user's own modes for the model's whole life. Measured by
-    ``tools/measure_tricks.py`` (torch 2.13, CPU, one thread; ranges over three runs on
-    a loaded 2-core machine).
+    process, released parameter or not: 1.2-1.3x the time of a small GPT's (TinyGPT's)
+    forward+backward (23-31 us per op), 1.4-1.9x once sharded (the mode also sees
+    zero3's own gather and copy ops), against 0.4-0.7% of the sharded step for the class
+    changes (1.4-2.5 us per release + gather, 58 per step). A global mode would also
+    stack with the user's own modes for the model's whole life. Measured by
+    ``tools/measure_tricks.py`` (torch 2.13, CPU, one thread; ranges over four runs on a
+    loaded 2-core machine).
 """
 
 from __future__ import annotations

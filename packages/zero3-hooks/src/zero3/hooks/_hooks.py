@@ -30,7 +30,7 @@ Note (external parameters):
     ("dangling": a bias a child hands its caller to add) become external to the
     caller the same way.
 
-    Cost, measured by ``tools/measure_tricks.py`` (torch 2.13, CPU, three runs): the
+    Cost, measured by ``tools/measure_tricks.py`` (torch 2.13, CPU, four runs): the
     dict adds 0.23-0.62 us to a ``self.weight`` read that costs 0.9-1.7 us with a plain
     dict, and the benchmark GPT (``tools/_bench/workload.py``) reads 102 parameters per
     forward+backward: 24-63 us of a ~4 s forward+backward, under 0.002%.
