@@ -138,7 +138,7 @@ class GatherHandle:
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
-            sp.status = ParamStatus.INFLIGHT
+            sp.set_status(ParamStatus.INFLIGHT)
             sp.handle = self
         send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
         if stream is not None:
@@ -170,7 +170,7 @@ class GatherHandle:
         elif self.verify == "later":
             self.prints = recv[:, -FINGERPRINT_BYTES:].clone()
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
-            sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
+            sp.set_status(ParamStatus.AVAILABLE)  # first: it gives the parameter its class back
             sp.handle = None
             _copy_out(sp, recv, offset, self._pool)
         # On devices the buffer goes back only after the consumer stream used it; on
@@ -207,7 +207,8 @@ def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int
         for sp in handle.layout.params:  # leave nothing half-gathered behind
             if sp.status is not ParamStatus.NOT_AVAILABLE:
                 free_full(sp.param)
-            sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+            sp.handle = None
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)
