@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from zero3.comm import HostStream, ReduceOp, UnsupportedDTypeError
+from zero3.comm import HostStream, NCCLBackend, ReduceOp, UnsupportedDTypeError
 from zero3.core import Zero3Config
 from zero3.hooks import full_state_dict, shard_module
 from zero3.optim import PartitionedOptimizer
@@ -133,18 +133,22 @@ def test_a_buffer_packed_after_the_reduce_stream_waited_is_a_stream_order_error(
     assert record.producer is not None and record.producer.startswith("compute#")
 
 
-def test_the_coalesced_default_packs_on_the_calling_stream_as_on_a_device():
-    tracker, comm = _checked(strict=False)
+def test_coalesced_collectives_run_the_base_class_packing_and_are_checked():
+    # The checking backend inherits CommBackend's coalesced collectives, as nccl and hccl
+    # do: the packed buffer is what reaches the collective, and it is what gets checked.
+    assert CheckingBackend.reduce_scatter_coalesced is NCCLBackend.reduce_scatter_coalesced
+    tracker, comm = _checked()
     with tracker:
-        reduce_stream = comm.new_stream()
         grads = [torch.randn(4, device=comm.device()) for _ in range(3)]
         outs = [torch.empty(2, device=comm.device()) for _ in range(3)]
-        reduce_stream.wait_stream(comm.current_stream())
-        # The inputs were ready before the wait, but CommBackend.reduce_scatter_coalesced
-        # packs them with torch.cat on the current stream, after it: unordered on a device.
-        comm.reduce_scatter_coalesced(outs, grads, stream=reduce_stream).wait()
-    kinds = [v.kind for v in tracker.violations]
-    assert kinds == [STREAM_ORDER] and "reduce_scatter_coalesced" in tracker.violations[0].message
+        comm.reduce_scatter_coalesced(outs, grads).wait()  # all on the current stream
+        # A host input: on a device, the packing torch.cat itself would fail.
+        comm.reduce_scatter_coalesced(outs, [*grads[:2], torch.zeros(4)]).wait()
+    assert [v.kind for v in tracker.violations] == [MIXED_DEVICES]
+    assert tracker.violations[0].message.startswith("cat at zero3/comm/_backend.py")
+    packed = comm.records[0]
+    assert (packed.collective, packed.role, packed.numel) == ("reduce_scatter", "input", 12)
+    assert packed.producer is not None and "cat" in packed.producer and packed.ordered
 
 
 def test_reading_a_collective_output_before_waiting_for_it_is_caught():
@@ -282,4 +286,3 @@ def test_training_through_the_instruments_is_bitwise_unchanged():
     with tracker, counter:
         checked = _train(twin, comm)
     assert all(torch.equal(plain[k], checked[k]) for k in plain)
-    assert tracker.violations  # this engine's got-gradient flags are host memory (issue 17)
