@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from zero3.comm import GlooBackend, ReduceOp
-from zero3.core import Zero3Config, sharded_state
+from zero3.core import Zero3Config
 from zero3.hooks import full_state_dict, shard_module, stats
 from zero3.optim import PartitionedOptimizer
 from zero3.testing.models import build, loss_of
@@ -197,19 +197,31 @@ def test_low_precision_params_with_fp32_masters_match_one_process(
 # -- fp16 overflow ---------------------------------------------------------------------------------
 
 
-def _poison_one_shard(model: torch.nn.Module) -> None:
-    """Make one element of this rank's gradient shards infinite (only here)."""
-    state = sharded_state(model)
-    for sp in state.params:
-        shard = state.reducer.grad_shard(sp)
-        if shard is not None and sp.local_numel:
-            shard[0] = float("inf")
-            return
-    raise AssertionError("no gradient shard to poison")
+def _poison_last_element(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Make this rank's gradient of one element infinite: the embedding's last element.
+
+    Reduce-scatter hands each element to exactly one rank, and the last element of a
+    parameter belongs to the last rank's shard: after the reduction only that rank holds
+    an infinite value, whichever rank produced it.
+    """
+    weight = model.wte.weight
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[-1] = float("inf")
+        return grad
+
+    return weight.register_hook(poison)
 
 
 def _fp16_overflow(how: str) -> dict[str, Any]:
-    """Step 2 overflows on the last rank only: through its loss, or in its shard only."""
+    """Step 2 overflows on one rank only.
+
+    ``loss``: the last rank's loss is infinite (every element of its gradient, so every
+    rank's reduced shard, is poisoned). ``element``: rank 0's gradient is infinite in one
+    element that the last rank owns, so only the last rank's shard overflows and only the
+    vote over ranks can tell the others to skip.
+    """
     comm = GlooBackend(timeout_s=30)
     n, r = comm.world_size, comm.rank
     model, make = build("gpt_tied")
@@ -226,12 +238,14 @@ def _fp16_overflow(how: str) -> dict[str, Any]:
     for step in range(STEPS):
         x = make(LOCAL * n, step)
         loss = loss_of(model(x[r * LOCAL : (r + 1) * LOCAL]))
-        poison = step == 2 and r == n - 1
-        if poison and how == "loss":
+        hook = None
+        if step == 2 and how == "loss" and r == n - 1:
             loss = loss * float("inf")
+        if step == 2 and how == "element" and r == 0:
+            hook = _poison_last_element(model)
         opt.scale_loss(loss).backward()
-        if poison and how == "shard":
-            _poison_one_shard(model)
+        if hook is not None:
+            hook.remove()
         before = full_state_dict(model) if step == 2 else None
         count = opt.scaler.skipped_steps
         opt.step()
@@ -258,7 +272,7 @@ def _fp16_overflow(how: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("how", ["loss", "shard"])
+@pytest.mark.parametrize("how", ["loss", "element"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(worker_pool, world_size, how):
     for result in worker_pool(world_size).run(_fp16_overflow, how, timeout=300):
