@@ -106,11 +106,18 @@ def _checked_training(name: str, world_of_one: bool = False, **config: Any) -> d
     }
 
 
+_RUNS: dict[str, list[dict[str, Any]]] = {}
+
+
 def _run_path(worker_pool: Any, path: str) -> list[dict[str, Any]]:
-    if path == "world-of-one":
-        return [_checked_training("gpt_tied", world_of_one=True)]
-    name, config = PATHS[path]
-    return worker_pool(2).run(_checked_training, name, timeout=300, **config)
+    """Every rank's findings on one path (one run serves both tests of the path)."""
+    if path not in _RUNS:
+        if path == "world-of-one":
+            _RUNS[path] = [_checked_training("gpt_tied", world_of_one=True)]
+        else:
+            name, config = PATHS[path]
+            _RUNS[path] = worker_pool(2).run(_checked_training, name, timeout=300, **config)
+    return _RUNS[path]
 
 
 def _assert_exercised(path: str, result: dict[str, Any]) -> None:
