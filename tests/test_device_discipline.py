@@ -214,6 +214,10 @@ def _sync_counts(layers: int, scope: str, kinds: tuple[str, ...], **config: Any)
     return [len(last), HostSyncCounter.describe(last), skipped]
 
 
+#: Each budget test runs two worker cases (a 1-block and a 3-block model).
+_TWO_CASES = pytest.mark.timeout(660)
+
+
 def _assert_fixed_budget(
     worker_pool: Any, budget: int, scope: str, kinds: tuple[str, ...], **config: Any
 ) -> None:
@@ -236,6 +240,7 @@ def _assert_fixed_budget(
     reason="issue 17 item 3: GatherHandle._check_fingerprints calls .cpu() on every "
     "finished gather (one host sync per gather)",
 )
+@_TWO_CASES
 def test_host_syncs_per_training_step_are_a_fixed_few(worker_pool):
     _assert_fixed_budget(worker_pool, STEP_BUDGET, "step", VALUE_SYNCS)
 
@@ -245,6 +250,7 @@ def test_host_syncs_per_training_step_are_a_fixed_few(worker_pool):
     raises=SyncsGrowWithModel,
     reason="issue 17 item 3: PartitionedOptimizer._global_norm calls float() once per parameter",
 )
+@_TWO_CASES
 def test_gradient_clipping_syncs_once_not_per_parameter(worker_pool):
     _assert_fixed_budget(
         worker_pool, OPTIMIZER_BUDGET, "optimizer", VALUE_SYNCS, gradient_clipping=1.0
@@ -256,6 +262,7 @@ def test_gradient_clipping_syncs_once_not_per_parameter(worker_pool):
     raises=SyncsGrowWithModel,
     reason="issue 17 item 3: PartitionedOptimizer._overflow calls bool() once per parameter",
 )
+@_TWO_CASES
 def test_fp16_overflow_check_syncs_once_not_per_parameter(worker_pool):
     _assert_fixed_budget(
         worker_pool,
@@ -275,5 +282,6 @@ def test_fp16_overflow_check_syncs_once_not_per_parameter(worker_pool):
     "every bucket builds its fingerprint bits with torch.tensor(..., device=) "
     "(fingerprint_bits, from GradBucket.new_flat); each is a blocking host-to-device copy",
 )
+@_TWO_CASES
 def test_no_blocking_host_to_device_copy_per_gather_or_bucket(worker_pool):
     _assert_fixed_budget(worker_pool, STEP_BUDGET, "step", ("to-device",))

@@ -66,6 +66,7 @@ def test_parity_logic_on_cpu(dtype):
     assert report["max_loss_diff"] == 0.0 and report["off"] == 0.0  # world 1: same arithmetic
 
 
+@pytest.mark.timeout(660)
 def test_bench_logic_on_cpu_reports_a_failing_system_and_times_the_others():
     result = _run([sys.executable, str(HELPER), "bench", "--device", "cpu", "--rounds", "1",
                    "--steps", "1", "--warmup", "1", "--systems", "plain,fsdp2,zero3,nope",
