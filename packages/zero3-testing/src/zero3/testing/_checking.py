@@ -199,7 +199,7 @@ class CheckingBackend(CommBackend):
         return self.tracker.current_stream()
 
     def new_stream(self) -> Stream:
-        return self.tracker.new_stream(f"{self.mirror}-side-{len(self.tracker._streams)}")
+        return self.tracker.new_stream(f"{self.mirror}-side-{len(self.tracker.streams)}")
 
     def duplicate(self) -> CheckingBackend:
         """A checking backend over a duplicate of the wrapped backend (same tracker)."""

@@ -484,6 +484,11 @@ class DeviceTracker(TorchFunctionMode):
         """The stream ops are issued on now."""
         return self._stack[-1]
 
+    @property
+    def streams(self) -> tuple[RecordingStream, ...]:
+        """Every stream made so far, the compute stream first."""
+        return tuple(self._streams)
+
     def new_stream(self, name: str) -> RecordingStream:
         """A new side stream."""
         stream = RecordingStream(self, len(self._streams), name)
