@@ -10,9 +10,12 @@ from reentrant checkpointing, a world of one), with ``overlap_comm`` on, runs th
   nothing reads a collective's output before waiting for it;
 * host synchronizations per step stay within a fixed budget, the same for a deeper model.
 
-Tests that fail on a known engine bug are marked ``xfail(strict=True)`` with the bug; each
-raises its own exception class, so a failure for any other reason is a real failure, and
-the fix turns the mark into an XPASS (remove the mark with the fix).
+Each check raises its own exception class (``NotDeviceMemory``, ``UnorderedStreams``,
+``SyncsGrowWithModel``) whose message lists every violation with the line that caused it.
+They caught, before a GPU ever ran the engine: got-gradient flags all-reduced from host
+memory, the discrete path's packing after the reduce stream's wait, a host sync per gather
+(fingerprint check) and per parameter (clipping norm, fp16 overflow), and blocking
+host-to-device copies of fingerprints per gather and per bucket.
 """
 
 from __future__ import annotations
@@ -131,21 +134,8 @@ def _assert_exercised(path: str, result: dict[str, Any]) -> None:
 
 ALL_PATHS = [*PATHS, "world-of-one"]
 
-_FLAGS_ON_HOST = pytest.mark.xfail(
-    strict=True,
-    raises=NotDeviceMemory,
-    reason="issue 17 item 1: GradReducer.end_backward all-reduces its got-gradient flags "
-    "from host memory (torch.zeros(2 * n, dtype=torch.uint8), no device=)",
-)
-_DISCRETE_PACKS_AFTER_WAIT = pytest.mark.xfail(
-    strict=True,
-    raises=UnorderedStreams,
-    reason="issue 17 item 2: GradReducer._launch_discrete makes the reduce stream wait "
-    "before reduce_scatter_coalesced packs its inputs with torch.cat on the compute stream",
-)
 
-
-@pytest.mark.parametrize("path", [pytest.param(p, marks=_FLAGS_ON_HOST) for p in ALL_PATHS])
+@pytest.mark.parametrize("path", ALL_PATHS)
 def test_collectives_get_device_memory_only(worker_pool, path):
     for result in _run_path(worker_pool, path):
         _assert_exercised(path, result)
@@ -155,13 +145,7 @@ def test_collectives_get_device_memory_only(worker_pool, path):
             )
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=_DISCRETE_PACKS_AFTER_WAIT) if p == "discrete" else p
-        for p in ALL_PATHS
-    ],
-)
+@pytest.mark.parametrize("path", ALL_PATHS)
 def test_every_collective_is_ordered_after_its_inputs(worker_pool, path):
     for result in _run_path(worker_pool, path):
         _assert_exercised(path, result)
@@ -234,22 +218,11 @@ def _assert_fixed_budget(
             )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SyncsGrowWithModel,
-    reason="issue 17 item 3: GatherHandle._check_fingerprints calls .cpu() on every "
-    "finished gather (one host sync per gather)",
-)
 @_TWO_CASES
 def test_host_syncs_per_training_step_are_a_fixed_few(worker_pool):
     _assert_fixed_budget(worker_pool, STEP_BUDGET, "step", VALUE_SYNCS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SyncsGrowWithModel,
-    reason="issue 17 item 3: PartitionedOptimizer._global_norm calls float() once per parameter",
-)
 @_TWO_CASES
 def test_gradient_clipping_syncs_once_not_per_parameter(worker_pool):
     _assert_fixed_budget(
@@ -257,11 +230,6 @@ def test_gradient_clipping_syncs_once_not_per_parameter(worker_pool):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SyncsGrowWithModel,
-    reason="issue 17 item 3: PartitionedOptimizer._overflow calls bool() once per parameter",
-)
 @_TWO_CASES
 def test_fp16_overflow_check_syncs_once_not_per_parameter(worker_pool):
     _assert_fixed_budget(
@@ -274,14 +242,6 @@ def test_fp16_overflow_check_syncs_once_not_per_parameter(worker_pool):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SyncsGrowWithModel,
-    reason="issue 17 item 3, found by the counter: every gather copies its fingerprint "
-    "from host memory (GatherLayout.fingerprint, then copy_ in GatherHandle.__init__) and "
-    "every bucket builds its fingerprint bits with torch.tensor(..., device=) "
-    "(fingerprint_bits, from GradBucket.new_flat); each is a blocking host-to-device copy",
-)
 @_TWO_CASES
 def test_no_blocking_host_to_device_copy_per_gather_or_bucket(worker_pool):
     _assert_fixed_budget(worker_pool, STEP_BUDGET, "step", ("to-device",))

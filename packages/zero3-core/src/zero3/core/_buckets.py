@@ -32,6 +32,7 @@ Note (rank-major layout):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -48,9 +49,20 @@ FINGERPRINT_SLOTS = 16
 def fingerprint_bits(
     key: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype)."""
+    """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype).
+
+    Cached per (key, dtype, device) and read-only: on an accelerator, building it
+    from Python values is a blocking host-to-device copy, which every bucket of every
+    backward would otherwise pay.
+    """
+    return _fingerprint_bits(key, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint_bits(key: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     bits = [(key >> i) & 1 for i in range(FINGERPRINT_SLOTS)]
-    return torch.tensor(bits, dtype=dtype, device=device)
+    with torch.inference_mode(False):
+        return torch.tensor(bits, dtype=dtype, device=device)
 
 
 def padded_flat(

@@ -61,6 +61,9 @@ class GatherLayout:
     offsets: tuple[int, ...]
     chunk_bytes: int
     param_hash: int
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def build(cls, params: Sequence[ShardedParam]) -> GatherLayout:
@@ -86,6 +89,18 @@ class GatherLayout:
         """The 16 fingerprint bytes for a gather requested by ``module_index``."""
         words = [_MAGIC, module_index, self.param_hash, self.chunk_bytes & 0x7FFFFFFF]
         return torch.tensor(words, dtype=torch.int32).view(torch.uint8)
+
+    def fingerprint_on(self, module_index: int, device: torch.device) -> torch.Tensor:
+        """:meth:`fingerprint` on ``device``, made once per module (read-only): copying
+        it from the host at every gather would be a blocking copy on an accelerator.
+        """
+        key = (module_index, device)
+        cached = self._on_device.get(key)
+        if cached is None:
+            with torch.inference_mode(False):
+                cached = self.fingerprint(module_index).to(device)
+            self._on_device[key] = cached
+        return cached
 
 
 class GatherHandle:
@@ -140,7 +155,7 @@ class GatherHandle:
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
             sp.set_status(ParamStatus.INFLIGHT)
             sp.handle = self
-        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
+        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)

@@ -207,6 +207,14 @@ class CheckingBackend(CommBackend):
             inner = self.inner.duplicate()
         return CheckingBackend(inner, self.tracker, mirror=self.mirror, strict=self.strict)
 
+    def host_channel(self) -> CommBackend | None:
+        """What a device backend opens beside itself for host messages (a gloo group
+        next to NCCL): here a plain duplicate of the wrapped CPU backend, unchecked,
+        since host tensors are what it is for.
+        """
+        with self.tracker.transport():
+            return self.inner.duplicate()
+
     def close(self) -> None:
         self.inner.close()
 
