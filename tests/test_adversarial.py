@@ -413,3 +413,16 @@ def _double_backward() -> str:
 def test_double_backward_is_refused_clearly(worker_pool):
     for text in worker_pool(2).run(_double_backward):
         assert "double backward" in text and "create_graph=True" in text, text
+
+
+def _compiled() -> str:
+    comm = GlooBackend(timeout_s=20)
+    model = _mlp()
+    shard_module(model, Zero3Config(param_persistence_threshold=0, timeout_s=20), comm=comm)
+    compiled = torch.compile(model)
+    return _error_text(lambda: compiled(torch.randn(2, 6)))
+
+
+def test_torch_compile_of_a_sharded_model_is_refused_clearly(worker_pool):
+    for text in worker_pool(2).run(_compiled, timeout=240):
+        assert "torch.compile of a sharded model is not supported" in text, text

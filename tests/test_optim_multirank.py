@@ -407,8 +407,8 @@ def _diverging_without_leaf() -> str:
 
 def test_divergent_modules_without_leaf_fail_with_the_fingerprint_error(worker_pool):
     for message in worker_pool(2).run(_diverging_without_leaf):
-        assert "rank 0: module 'moe.experts.0." in message
-        assert "rank 1: module 'moe.experts.1." in message
+        assert "rank 0: gathered a module's parameters for module 'moe.experts.0." in message
+        assert "rank 1: gathered a module's parameters for module 'moe.experts.1." in message
 
 
 def _live_storage_bytes(exclude: frozenset[int] = frozenset()) -> int:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
+from zero3.comm._registry import local_device_index
 from zero3.comm._stream import Event, HostStream, Stream, TorchDeviceStream
 from zero3.comm._types import (
     FLOAT_DTYPES,
@@ -279,7 +280,8 @@ class CupyNCCLBackend(CommBackend):
         store: A torch.distributed ``Store`` (``FileStore``, ``TCPStore``) for the exchange.
         rank: This process's rank (with ``store``).
         world_size: Number of ranks (with ``store``).
-        device: CUDA device index (default: ``LOCAL_RANK`` if set, else the current one).
+        device: CUDA device index (default: the local rank, from ``LOCAL_RANK`` or the MPI
+            launcher, never the global rank; else the current device).
         timeout_s: Bound for the id exchange and for host-side waits.
 
     Note:
@@ -376,9 +378,8 @@ class CupyNCCLBackend(CommBackend):
             return device.index if device.index is not None else torch.cuda.current_device()
         if device is not None:
             return int(device)
-        if "LOCAL_RANK" in os.environ:
-            return int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
-        return torch.cuda.current_device()
+        local = local_device_index(torch.cuda.device_count(), CupyNCCLBackend.name)
+        return torch.cuda.current_device() if local is None else local
 
     def _rendezvous(
         self,

@@ -1,12 +1,13 @@
-"""ParamCoordinator: when parameters are gathered, prefetched and released (seed §2).
+"""ParamCoordinator: when parameters are gathered, prefetched and released.
 
-Note (fetch in three steps, §2.1):
+Note (fetch in three steps):
     ``fetch_sub_module`` (1) starts one coalesced gather of the module's parameters
     that are not on this rank, (2) waits for them and for any prefetch already
     carrying the rest, then (3) once the trace is COMPLETE prefetches what comes next
     in trace order, up to ``prefetch_bucket_size`` elements, never past
     ``max_live_parameters`` live elements, with at most two prefetches in flight
-    (§2.2: a host that queues gathers without bound pins their memory early). One
+    (each gather holds its buffers from the moment it is issued, so a host that
+    queued gathers without bound would pin their memory long before use). One
     prefetch leaves as several gathers cut at module boundaries (overlap chunks,
     :meth:`ParamCoordinator._chunks`).
     With ``overlap_comm=False`` the gather stream is the compute stream: prefetches
@@ -44,7 +45,7 @@ __all__ = ["GATHERED_PARAMETERS", "MAX_INFLIGHT_PREFETCHES", "ParamCoordinator"]
 
 _log = logging.getLogger("zero3.core")
 
-#: Prefetch gathers allowed in flight at once (§2.2).
+#: Prefetch gathers allowed in flight at once (each holds its buffers until consumed).
 MAX_INFLIGHT_PREFETCHES = 2
 #: Module index used in fingerprints of gathers that no module asked for.
 GATHERED_PARAMETERS = -1
@@ -277,7 +278,9 @@ class ParamCoordinator:
             self._prefetch(position, forward)
 
     def release_sub_module(self, module: nn.Module) -> None:
-        """Release the module's parameters, keeping those reused soon (seed §2.4)."""
+        """Release the module's parameters, keeping those the trace uses again within
+        ``max_reuse_distance`` elements.
+        """
         index = self.index_of(module)
         params = self.fetch_set(index)
         keep: frozenset[int] = frozenset()
@@ -576,7 +579,7 @@ class ParamCoordinator:
         if sp.status is ParamStatus.AVAILABLE:
             self._keep_edit(sp)
             free_full(sp.param, self.pool)
-            sp.status = ParamStatus.NOT_AVAILABLE
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
             self.live_numel -= sp.numel
             self.live_bytes -= sp.numel * sp.shard.element_size()
         self._prefetched.discard(sp.index)

@@ -61,6 +61,9 @@ class GatherLayout:
     offsets: tuple[int, ...]
     chunk_bytes: int
     param_hash: int
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def build(cls, params: Sequence[ShardedParam]) -> GatherLayout:
@@ -86,6 +89,18 @@ class GatherLayout:
         """The 16 fingerprint bytes for a gather requested by ``module_index``."""
         words = [_MAGIC, module_index, self.param_hash, self.chunk_bytes & 0x7FFFFFFF]
         return torch.tensor(words, dtype=torch.int32).view(torch.uint8)
+
+    def fingerprint_on(self, module_index: int, device: torch.device) -> torch.Tensor:
+        """:meth:`fingerprint` on ``device``, made once per module (read-only): copying
+        it from the host at every gather would be a blocking copy on an accelerator.
+        """
+        key = (module_index, device)
+        cached = self._on_device.get(key)
+        if cached is None:
+            with torch.inference_mode(False):
+                cached = self.fingerprint(module_index).to(device)
+            self._on_device[key] = cached
+        return cached
 
 
 class GatherHandle:
@@ -138,9 +153,9 @@ class GatherHandle:
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
-            sp.status = ParamStatus.INFLIGHT
+            sp.set_status(ParamStatus.INFLIGHT)
             sp.handle = self
-        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
+        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
@@ -170,7 +185,7 @@ class GatherHandle:
         elif self.verify == "later":
             self.prints = recv[:, -FINGERPRINT_BYTES:].clone()
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
-            sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
+            sp.set_status(ParamStatus.AVAILABLE)  # first: it gives the parameter its class back
             sp.handle = None
             _copy_out(sp, recv, offset, self._pool)
         # On devices the buffer goes back only after the consumer stream used it; on
@@ -207,7 +222,8 @@ def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int
         for sp in handle.layout.params:  # leave nothing half-gathered behind
             if sp.status is not ParamStatus.NOT_AVAILABLE:
                 free_full(sp.param)
-            sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+            sp.handle = None
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)

@@ -191,7 +191,7 @@ class ShardedModelState:
         _PARAM_STATE[param] = self
         if not sp.persistent:
             _params.free_full(param)
-            sp.status = ParamStatus.NOT_AVAILABLE
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
         return sp
 
     def _apply_leaves(self) -> None:
