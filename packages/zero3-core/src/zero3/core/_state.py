@@ -612,10 +612,10 @@ class ShardedModelState:
             sp.shard = sp.shard.to(dtype)
             # The released parameter keeps its shape with no bytes: give it an empty
             # storage of the new dtype (allocated, then freed, one parameter at a time).
-            sp.status = ParamStatus.AVAILABLE  # its own class again, so .data may be set
+            sp.set_status(ParamStatus.AVAILABLE)  # its own class again, so .data may be set
             param.data = torch.empty(sp.shape, dtype=dtype, device=param.device)
             _params.free_full(param)
-            sp.status = ParamStatus.NOT_AVAILABLE
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
         sp.version = param._version
 
 
