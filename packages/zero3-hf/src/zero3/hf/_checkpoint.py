@@ -44,7 +44,7 @@ def rng_state() -> dict[str, Any]:
     and the current accelerator device's, where there is one).
     """
     version, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": {"version": version, "state": torch.tensor(words), "gauss": gauss},
         "numpy": {

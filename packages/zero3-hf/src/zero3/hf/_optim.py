@@ -110,5 +110,5 @@ def scale_loss_gradient(loss: torch.Tensor, scale: float) -> torch.Tensor:
         loss right, with no change to the Trainer's loop (accelerate's own GradScaler
         is off because zero3 casts the parameters itself, as DeepSpeed does).
     """
-    result: torch.Tensor = _ScaleGradient.apply(loss, scale)
+    result: torch.Tensor = _ScaleGradient.apply(loss, scale)  # type: ignore[no-untyped-call]
     return result

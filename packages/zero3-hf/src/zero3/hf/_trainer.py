@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import os
 import shutil
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -23,11 +20,14 @@ from transformers.training_args import ParallelMode
 
 from zero3.core import Zero3Config, try_sharded_state
 from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, zero3_dir
-from zero3.hf._deepspeed import (
-    check_scheduler_steps,
-    fill_from_training_args,
-    warn_unused_sections,
+from zero3.hf._config import (
+    Zero3ConfigLike,
+    args_dtype,
+    check_clipping,
+    filled_sections,
+    resolve_config,
 )
+from zero3.hf._deepspeed import check_scheduler_steps
 from zero3.hf._optim import Zero3AcceleratedOptimizer, build_partitioned, scale_loss_gradient
 from zero3.hooks import load_full_state_dict, shard_module
 from zero3.optim import PartitionedOptimizer
@@ -40,46 +40,6 @@ TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.bin"
 #: Where save_model writes its DCP checkpoint before consolidating it.
 _CONSOLIDATING = ".zero3-consolidating"
-#: DeepSpeed keys the Trainer fills from TrainingArguments, kept in Zero3Config.extras.
-_LOOP_KEYS = (
-    "optimizer",
-    "scheduler",
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-)
-
-Zero3ConfigLike = Zero3Config | Mapping[str, Any] | str | os.PathLike[str]
-
-
-def _args_dtype(args: TrainingArguments) -> torch.dtype | None:
-    """The parameter dtype the DeepSpeed integration gives these arguments."""
-    if args.bf16 or args.bf16_full_eval:
-        return torch.bfloat16
-    if args.fp16 or args.fp16_full_eval:
-        return torch.float16
-    return None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [key for key, _ in pairs]
-        repeated = sorted({key for key in keys if keys.count(key) > 1})
-        if repeated:
-            raise ValueError(f"DeepSpeed config {path}: key(s) {repeated} appear twice")
-        return dict(pairs)
-
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"DeepSpeed config {path}: cannot read it ({exc})") from exc
-    try:
-        data = json.loads(text, object_pairs_hook=unique)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"DeepSpeed config {path} must hold a JSON object")
-    return data
 
 
 def _refuse_unsupported(args: TrainingArguments) -> None:
@@ -136,6 +96,11 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             precision or clipping setting of ``zero3_config`` that contradicts ``args``.
     """
 
+    # Set by transformers.Trainer (untyped to mypy); declared for the methods below.
+    optimizer: Any
+    lr_scheduler: Any
+    _created_lr_scheduler: bool
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -183,12 +148,14 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
                     "Zero3Trainer: the model is already sharded with its own Zero3Config; "
                     "pass zero3_config=None (or pass the unsharded model)"
                 )
-            self._check_clipping(state.config.gradient_clipping, args)
-            wanted = _args_dtype(args)
+            check_clipping(state.config.gradient_clipping, args)
+            wanted = args_dtype(args)
             if wanted is not None:
                 state.convert(dtype=wanted)  # as param_dtype would (parameters only)
             self.zero3_config = state.config
-            self.deepspeed_config = self._filled_sections(dict(state.config.extras), args, model)
+            self.deepspeed_config = filled_sections(
+                state.config.extras, args, model, self.optimizer_cls_and_kwargs
+            )
             return model
         if any(p.is_meta for p in model.parameters()):
             raise ValueError(
@@ -196,76 +163,18 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
                 "with zero3.hooks.shard_module(model, config, checkpoint=...) (or "
                 "param_init_fn=model._init_weights) and pass the sharded model"
             )
-        config = self._resolve_config(model, args)
+        config, self.deepspeed_config = resolve_config(
+            self._zero3_source, args, model, self.optimizer_cls_and_kwargs
+        )
         self.zero3_config = config
         return shard_module(model, config)
-
-    def _resolve_config(self, model: nn.Module, args: TrainingArguments) -> Zero3Config:
-        source = self._zero3_source
-        dtype = _args_dtype(args)
-        if source is None:
-            return Zero3Config(param_dtype=dtype)
-        if isinstance(source, Zero3Config):
-            self._check_clipping(source.gradient_clipping, args)
-            if source.param_dtype is not None and dtype is not None and source.param_dtype != dtype:
-                raise ValueError(
-                    f"Zero3Trainer: Zero3Config.param_dtype is {source.param_dtype} but the "
-                    f"TrainingArguments ask for {dtype} (bf16/fp16); make them agree"
-                )
-            self.deepspeed_config = self._filled_sections(dict(source.extras), args, model)
-            # The Trainer clips with max_grad_norm (checked equal above).
-            return dataclasses.replace(
-                source, param_dtype=source.param_dtype or dtype, gradient_clipping=None
-            )
-        if isinstance(source, str | os.PathLike):
-            raw = _read_json(Path(source))
-        elif isinstance(source, Mapping):
-            raw = dict(source)
-        else:
-            raise TypeError(
-                "Zero3Trainer: zero3_config must be a Zero3Config, a DeepSpeed config dict "
-                f"or the path of its JSON file, got {type(source).__name__}"
-            )
-        filled = fill_from_training_args(raw, args, model)
-        self.deepspeed_config = filled
-        warn_unused_sections(filled, args, self._optimizer_cls(args, model))
-        # The Trainer clips with max_grad_norm (the file's value was checked against it).
-        return Zero3Config.from_deepspeed(filled, gradient_clipping=None)
-
-    def _filled_sections(
-        self, extras: dict[str, Any], args: TrainingArguments, model: nn.Module
-    ) -> dict[str, Any] | None:
-        """A Zero3Config's DeepSpeed leftovers (batch sizes, optimizer, scheduler) are
-        filled and checked against ``args`` as a DeepSpeed config would be.
-        """
-        sections = {key: extras[key] for key in _LOOP_KEYS if key in extras}
-        if not sections:
-            return None
-        filled = fill_from_training_args(sections, args, model)
-        warn_unused_sections(filled, args, self._optimizer_cls(args, model))
-        return filled
-
-    def _optimizer_cls(self, args: TrainingArguments, model: nn.Module) -> type:
-        chosen = getattr(self, "optimizer_cls_and_kwargs", None)
-        cls = chosen[0] if chosen else self.get_optimizer_cls_and_kwargs(args, model)[0]
-        return cls if isinstance(cls, type) else type(cls)
-
-    @staticmethod
-    def _check_clipping(clip: float | None, args: TrainingArguments) -> None:
-        wanted = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        if clip is not None and clip != wanted:
-            raise ValueError(
-                f"Zero3Trainer: Zero3Config.gradient_clipping is {clip} but "
-                f"TrainingArguments.max_grad_norm is {args.max_grad_norm}; the Trainer clips "
-                "with max_grad_norm: set gradient_clipping to None (or equal)"
-            )
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init``'s model, sharded."""
         return self._zero3_model(super().call_model_init(trial), self.args)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        """accelerate without mixed precision: zero3 casts the parameters itself (the
+        """Accelerate without mixed precision: zero3 casts the parameters itself (the
         DeepSpeed integration's behaviour), so no autocast and no GradScaler.
         """
         accelerator_args: dict[str, Any] = super()._build_accelerator_args(**kwargs)
