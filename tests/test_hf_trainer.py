@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -366,6 +367,30 @@ def test_resume_at_world_3_from_a_world_2_checkpoint_continues_the_curve(killed)
     resumed = _result("resume", killed, world=3)
     assert resumed["steps"] == [4, 5, 6]
     assert resumed["losses"] == pytest.approx(full[3:], rel=1e-4)
+
+
+def _tool(out: Path, *flags: str) -> tuple[str, list[float]]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}  # fmt: skip
+    env["OMP_NUM_THREADS"] = "1"
+    tiny = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch",
+            "2", "--accumulation", "1", "--eval-samples", "8", "--output", str(out)]  # fmt: skip
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tools" / "hf_train.py"), *tiny, *flags]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", proc.stdout)]
+    return proc.stdout, losses
+
+
+def test_the_hf_train_tool_fine_tunes_saves_and_starts_again_from_its_weights(tmp_path):
+    out, first = _tool(tmp_path / "a", "--steps", "6", "--lr", "1e-2")
+    assert "held-out loss" in out and "--- sample ---\nROMEO:" in out
+    assert (tmp_path / "a" / "final" / "model.safetensors").exists()
+    out, again = _tool(tmp_path / "b", "--steps", "2", "--init-from", str(tmp_path / "a" / "final"))
+    assert len(first) == 6 and len(again) == 2
+    assert again[0] < first[0] - 0.1  # it starts from the trained weights, not from scratch
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ corpus's characters. Run it under torchrun::
 Add ``--deepspeed-config ds.json`` to use a DeepSpeed ZeRO-3 JSON as you would with
 ``TrainingArguments(deepspeed=...)`` ("auto" values are filled from the arguments).
 It ends with ``trainer.save_model`` (consolidated safetensors), reloads the result with
-``from_pretrained`` on rank 0 and prints a sample.
+``from_pretrained`` on rank 0 and prints a sample. ``--init-from DIR`` starts from such
+weights, sharded as they are read (no rank holds the whole model).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from zero3.core import Zero3Config
-from zero3.hf import Zero3Trainer
+from zero3.hf import Zero3Trainer, sharded_from_pretrained
 
 CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 
@@ -51,6 +52,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="characters per sample")
     p.add_argument("--batch", type=int, default=8, help="samples per rank per micro-step")
     p.add_argument("--accumulation", type=int, default=2, help="micro-steps per step")
+    p.add_argument("--eval-samples", type=int, default=256, help="held-out windows to evaluate")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--output", default="hf_train_out", help="output directory")
     p.add_argument("--deepspeed-config", default=None,
@@ -58,6 +60,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 masters")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", default=None, help="a checkpoint-N folder to resume from")
+    p.add_argument("--init-from", default=None, help="start from a save_model directory")
     return p.parse_args()
 
 
@@ -69,12 +72,8 @@ def main() -> None:
     ids = torch.tensor([index[c] for c in text])
     split = int(ids.numel() * 0.95)
     train, held_out = CharWindows(ids[:split], a.seq_len), CharWindows(ids[split:], a.seq_len)
+    held_out = torch.utils.data.Subset(held_out, range(min(len(held_out), a.eval_samples)))
 
-    torch.manual_seed(0)  # every rank builds the same model (zero3 also syncs rank 0's)
-    model = GPT2LMHeadModel(GPT2Config(
-        vocab_size=len(chars), n_positions=a.seq_len, n_embd=a.d_model, n_layer=a.layers,
-        n_head=a.heads, bos_token_id=0, eos_token_id=0,
-    ))  # fmt: skip
     args = TrainingArguments(
         output_dir=a.output,
         max_steps=a.steps,
@@ -95,12 +94,23 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         seed=0,
     )
+    zero3_config = a.deepspeed_config or Zero3Config()
+    if a.init_from:  # from_pretrained, sharded: each rank reads only its own slices
+        model = sharded_from_pretrained(a.init_from, GPT2LMHeadModel, zero3_config=zero3_config,
+                                        args=args)  # fmt: skip
+        zero3_config = None  # the model is sharded already, with its own config
+    else:
+        torch.manual_seed(0)  # every rank builds the same model (zero3 syncs rank 0's too)
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=len(chars), n_positions=a.seq_len, n_embd=a.d_model, n_layer=a.layers,
+            n_head=a.heads, bos_token_id=0, eos_token_id=0,
+        ))  # fmt: skip
     trainer = Zero3Trainer(
         model=model,
         args=args,
         train_dataset=train,
         eval_dataset=held_out,
-        zero3_config=a.deepspeed_config or Zero3Config(),
+        zero3_config=zero3_config,
     )
     trainer.train(resume_from_checkpoint=a.resume)
     loss = trainer.evaluate()["eval_loss"]

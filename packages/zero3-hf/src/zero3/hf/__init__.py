@@ -16,6 +16,8 @@
 Run it under ``torchrun --nproc-per-node N``.
 """
 
+from zero3.hf._config import Zero3ConfigLike
+from zero3.hf._pretrained import sharded_from_pretrained
 from zero3.hf._trainer import Zero3Trainer
 
-__all__ = ["Zero3Trainer"]
+__all__ = ["Zero3ConfigLike", "Zero3Trainer", "sharded_from_pretrained"]
