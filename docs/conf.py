@@ -56,6 +56,8 @@ nitpick_ignore_regex = [
     # torch aliases in string annotations) stay as written in the source: these are
     # torch's nn.Parameter, torch.distributed.ProcessGroup and torch.distributed.Store.
     (r"py:class", r"nn\.Parameter|dist\.ProcessGroup|Store"),
+    # transformers and accelerate (zero3-hf's bases: Trainer, TrainingArguments).
+    (r"py:(class|obj|exc)", r"(transformers|accelerate)(\..+)?"),
     # pluggy: hookimpl is a pluggy.HookimplMarker; the registry is used through it.
     (r"py:(class|obj)", r"pluggy(\..+)?"),
     # The Python standard library (no intersphinx: see above). Only the names the

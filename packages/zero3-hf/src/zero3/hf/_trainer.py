@@ -53,6 +53,8 @@ def _refuse_unsupported(args: TrainingArguments) -> None:
         problems.append("TrainingArguments.fsdp is set: zero3 shards the model itself")
     if args.torch_compile:
         problems.append("torch_compile=True: zero3's hooks do not run under torch.compile")
+    if args.auto_find_batch_size:
+        problems.append("auto_find_batch_size=True: not supported at ZeRO-3 (nor by DeepSpeed's)")
     if getattr(args, "parallelism_config", None) is not None:
         problems.append("parallelism_config is set: zero3 is data parallel only")
     if problems:

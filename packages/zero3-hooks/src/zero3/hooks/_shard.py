@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +30,6 @@ __all__ = [
     "unshard_module",
 ]
 
-_M = TypeVar("_M", bound="ShardedModule")
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
 _CLASSES: dict[type, type] = {}
 
@@ -67,7 +66,7 @@ class ShardedModule:
         if state is not None:
             state.end_window()
 
-    def to(self: _M, *args: Any, **kwargs: Any) -> _M:
+    def to(self, *args: Any, **kwargs: Any) -> ShardedModule:
         """``nn.Module.to`` for a sharded module: casts the parameter shards to a
         floating-point dtype (before an optimizer is built), checks the device, and
         moves or casts buffers as ``nn.Module.to`` does.
@@ -101,29 +100,29 @@ class ShardedModule:
                     module._buffers[key] = buf.to(device, cast, non_blocking)
         return self
 
-    def cpu(self: _M) -> _M:
+    def cpu(self) -> ShardedModule:
         """``.to("cpu")`` (see :meth:`to`)."""
         return self.to("cpu")
 
-    def cuda(self: _M, device: int | torch.device | None = None) -> _M:
+    def cuda(self, device: int | torch.device | None = None) -> ShardedModule:
         """``.to("cuda")`` (see :meth:`to`)."""
         if device is None:
             return self.to("cuda")
         return self.to(torch.device("cuda", device) if isinstance(device, int) else device)
 
-    def float(self: _M) -> _M:
+    def float(self) -> ShardedModule:
         """``.to(torch.float32)`` (see :meth:`to`)."""
         return self.to(torch.float32)
 
-    def half(self: _M) -> _M:
+    def half(self) -> ShardedModule:
         """``.to(torch.float16)`` (see :meth:`to`)."""
         return self.to(torch.float16)
 
-    def bfloat16(self: _M) -> _M:
+    def bfloat16(self) -> ShardedModule:
         """``.to(torch.bfloat16)`` (see :meth:`to`)."""
         return self.to(torch.bfloat16)
 
-    def double(self: _M) -> _M:
+    def double(self) -> ShardedModule:
         """``.to(torch.float64)`` (see :meth:`to`)."""
         return self.to(torch.float64)
 
