@@ -163,3 +163,19 @@ def test_refusals_name_the_fix(tmp_path):
         meta = build_hf("gpt2")
     with pytest.raises(ValueError, match="parameters on the meta device; shard it first"):
         Zero3Trainer(model=meta, args=_args(tmp_path))
+
+
+def test_the_trainers_optimizer_choice_and_groups_are_kept(tmp_path):
+    trainer = Zero3Trainer(
+        model=build_hf("gpt2"),
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=_data(),
+        optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    )
+    trainer.train()
+    inner = trainer.partitioned_optimizer.optimizer
+    assert type(inner) is torch.optim.SGD and inner.defaults["momentum"] == 0.9
+    decay = set(trainer.get_decay_parameter_names(trainer.model))
+    assert [g["weight_decay"] for g in inner.param_groups] == [0.1, 0.0]
+    assert len(inner.param_groups[0]["params"]) == len(decay)
+    assert trainer.model_wrapped is trainer.model

@@ -126,6 +126,9 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
                 "nn.DataParallel; launch one process per GPU (torchrun --nproc-per-node N)"
             )
         _ = args.device  # sets up torch.distributed from the launcher, before sharding
+        # The Trainer sets this in its constructor; the model is sharded before that.
+        positional = trainer_args[9] if len(trainer_args) > 9 else None
+        self.optimizer_cls_and_kwargs = trainer_kwargs.get("optimizer_cls_and_kwargs", positional)
         if model is not None:
             model = self._zero3_model(model, args)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
@@ -169,7 +172,10 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             self._zero3_source, args, model, self.optimizer_cls_and_kwargs
         )
         self.zero3_config = config
-        return shard_module(model, config)
+        # The Trainer would move the model to its device in its constructor; the shards
+        # must be made where the comm backend works (a model too large for that is built
+        # sharded instead: sharded_from_pretrained).
+        return shard_module(model.to(args.device), config)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init``'s model, sharded."""
