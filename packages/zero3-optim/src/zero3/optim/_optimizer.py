@@ -1,4 +1,4 @@
-"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer (seed §8).
+"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer.
 
 Note (what the wrapped optimizer sees):
     Each rank owns a 1/N slice of every parameter. Its fp32 master copy lives in flat
@@ -352,7 +352,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         Sub-groups are batched while their elements fit in ``sub_group_size``, so with
         the default the wrapped optimizer steps once; a smaller ``sub_group_size`` bounds
         the fp32 gradient memory of one batch and the optimizer steps once per batch
-        (the other batches' tensors have grad None then, so it skips them; seed §8).
+        (the other batches' tensors have grad None then, so it skips them).
         """
         limit = self._zstate.config.sub_group_size
         batch: list[_SubGroup] = []

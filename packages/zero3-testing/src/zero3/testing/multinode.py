@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from zero3.comm import CommBackend, ReduceOp, create_backend
-from zero3.comm import local_device_index, local_rank
+from zero3.comm import CommBackend, ReduceOp, create_backend, local_device_index, local_rank
 
 __all__ = ["main", "node_key", "train_against_one_process"]
 
