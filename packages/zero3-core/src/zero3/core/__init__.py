@@ -1,5 +1,5 @@
-"""zero3.core: configuration, partitioned parameters, the prefetch coordinator and
-gradient buckets.
+"""zero3.core: configuration, partitioned parameters, the prefetch coordinator, gradient
+buckets, and the state dicts and checkpoint format of sharded models.
 
 Core knows nothing about module hooks (``zero3.hooks``) or optimizers
 (``zero3.optim``); both drive it through :class:`ShardedModelState`.
@@ -7,20 +7,61 @@ Core knows nothing about module hooks (``zero3.hooks``) or optimizers
 
 from zero3.core._api import full_grad, gathered_parameters, local_grad, register_external_parameter
 from zero3.core._buckets import GradBucket
+from zero3.core._checkpoint_dist import checkpoint_group, raise_on_every_rank
+from zero3.core._checkpoint_format import (
+    CHECKPOINT_FORMAT_VERSION,
+    CHECKPOINT_LAYOUT,
+    CheckpointError,
+    CheckpointLayout,
+    CheckpointLoadPlanner,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointStorageReader,
+    CheckpointStorageWriter,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    check_checkpoint_dir,
+    quiet_sharded_tensor_warning,
+)
+from zero3.core._checkpoint_reader import CheckpointReader
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
+from zero3.core._full_state_dict import LoadResult, full_state_dict, load_full_state_dict
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._reducer import GradReducer
+from zero3.core._sharded_state_dict import (
+    flat_boxes,
+    load_sharded_state_dict,
+    local_flat,
+    sharded_like,
+    sharded_param,
+    sharded_state_dict,
+)
 from zero3.core._state import ShardedModelState, sharded_state
 from zero3.core._stats import StepStats
 from zero3.core._trace import TraceState
 from zero3.core._tracer import Tracer
 
 __all__ = [
+    "CHECKPOINT_FORMAT_VERSION",
+    "CHECKPOINT_LAYOUT",
+    "CheckpointError",
+    "CheckpointLayout",
+    "CheckpointLoadPlanner",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CheckpointStorageReader",
+    "CheckpointStorageWriter",
+    "CheckpointVersionError",
+    "CorruptCheckpointError",
     "FingerprintMismatchError",
     "GradBucket",
     "GradReducer",
+    "IncompleteCheckpointError",
+    "LoadResult",
     "ParamCoordinator",
     "ParamStatus",
     "ShardedModelState",
@@ -29,10 +70,22 @@ __all__ = [
     "TraceState",
     "Tracer",
     "Zero3Config",
+    "check_checkpoint_dir",
+    "checkpoint_group",
+    "flat_boxes",
     "full_grad",
+    "full_state_dict",
     "gathered_parameters",
+    "load_full_state_dict",
+    "load_sharded_state_dict",
+    "local_flat",
     "local_grad",
     "local_shard",
+    "quiet_sharded_tensor_warning",
+    "raise_on_every_rank",
     "register_external_parameter",
+    "sharded_like",
+    "sharded_param",
     "sharded_state",
+    "sharded_state_dict",
 ]
