@@ -22,7 +22,7 @@ from zero3.core._checkpoint_format import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     check_checkpoint_dir,
-    quiet_sharded_tensor_warning,
+    quiet_dcp_warnings,
 )
 from zero3.core._checkpoint_reader import CheckpointReader
 from zero3.core._config import Zero3Config
@@ -81,7 +81,7 @@ __all__ = [
     "local_flat",
     "local_grad",
     "local_shard",
-    "quiet_sharded_tensor_warning",
+    "quiet_dcp_warnings",
     "raise_on_every_rank",
     "register_external_parameter",
     "sharded_like",

@@ -72,7 +72,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "check_checkpoint_dir",
-    "quiet_sharded_tensor_warning",
+    "quiet_dcp_warnings",
 ]
 
 #: The checkpoint format this zero3 writes and reads. Loading refuses any other.
@@ -163,18 +163,28 @@ def check_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 
 
 @contextlib.contextmanager
-def quiet_sharded_tensor_warning() -> Iterator[None]:
-    """Silence torch's ``ShardedTensor`` deprecation ``FutureWarning`` inside the block.
+def quiet_dcp_warnings() -> Iterator[None]:
+    """Silence two DCP warnings that zero3's own use triggers by design.
 
-    zero3 describes flat shards to DCP as ShardedTensors (see ``sharded_like``), and
-    DCP's load planner warns once per tensor that ShardedTensor is deprecated. Only
-    that message is filtered; every other warning passes.
+    * torch's ``ShardedTensor`` deprecation ``FutureWarning``: zero3 describes flat
+      shards to DCP as ShardedTensors (see ``sharded_like``; the migration path if
+      torch drops them is in that module's note), and DCP's load planner warns once
+      per tensor.
+    * "torch.distributed is disabled ... assuming the intent is to save/load in a
+      single process": in a world of one zero3 passes ``no_dist=True`` on purpose.
+
+    Only those messages are filtered; every other warning passes.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore",
             message="Please use DTensor instead and we are deprecating ShardedTensor",
             category=FutureWarning,
+        )
+        warnings.filterwarnings(
+            "ignore",
+            message="torch.distributed is disabled, unavailable or uninitialized, assuming",
+            category=UserWarning,
         )
         yield
 

@@ -33,7 +33,7 @@ Note (building ShardedTensors without communication):
 Note (ShardedTensor is deprecated):
     torch marks ``ShardedTensor`` deprecated in favour of ``DTensor`` and warns (a
     ``FutureWarning``) whenever DCP's load planner touches one. zero3 filters exactly
-    that warning around its own DCP calls (``quiet_sharded_tensor_warning``).
+    that warning around its own DCP calls (``quiet_dcp_warnings``).
     Nothing of the ShardedTensor type reaches the files: a DCP checkpoint stores
     tensors by key, global shape and boxes. If torch drops ShardedTensor, the same
     boxes go to DCP through a custom ``SavePlanner``/``LoadPlanner`` (one ``WriteItem``

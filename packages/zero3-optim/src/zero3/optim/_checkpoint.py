@@ -62,7 +62,7 @@ from zero3.core import (
     CheckpointReader,
     CheckpointStorageWriter,
     checkpoint_group,
-    quiet_sharded_tensor_warning,
+    quiet_dcp_warnings,
     raise_on_every_rank,
     sharded_param,
     sharded_state,
@@ -154,11 +154,11 @@ def save_checkpoint(
         sd[_L.optim] = optimizer.sharded_state_dict()
     writer = CheckpointStorageWriter(staging)
     if not async_save:
-        with _failures("cannot save checkpoint", target):
+        with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
             dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
         _publish_everywhere(group, rank, staging, target)
         return None
-    with _failures("cannot save checkpoint", target):
+    with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
         upload = dcp.async_save(
             sd, storage_writer=writer, process_group=group, no_dist=group is None
         )
@@ -208,7 +208,7 @@ def load_checkpoint(
     try:
         reader = _open(target)
         template[_L.model] = sharded_state_dict(module)
-        with quiet_sharded_tensor_warning():
+        with quiet_dcp_warnings():
             _check_model(reader, template[_L.model])
         template[_L.extra] = reader.template(_L.extra)
         if optimizer is not None:
@@ -222,7 +222,7 @@ def load_checkpoint(
         error = exc
     raise_on_every_rank(group, error)
     assert reader is not None
-    with _failures("cannot load checkpoint", target), quiet_sharded_tensor_warning():
+    with _failures("cannot load checkpoint", target), quiet_dcp_warnings():
         dcp.load(
             template,
             storage_reader=reader.storage,
