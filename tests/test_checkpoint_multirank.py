@@ -420,6 +420,62 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(worker_pool, tmp_pa
         assert got["error"].startswith(f"IncompleteCheckpointError: incomplete checkpoint {staging[0]}")  # noqa: E501
 
 
+# -- FSDP2 <-> zero3: the model's weights move through DCP both ways ---------------------------
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)  # odd sizes: uneven splits for both engines
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def _fsdp2_to_zero3(fsdp_path: str, zero3_path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from zero3.core import load_sharded_state_dict
+
+    comm = GlooBackend(timeout_s=30)
+    fsdp = _mlp()
+    with torch.no_grad():
+        for p in fsdp.parameters():
+            p.mul_(1.5)  # not what a fresh _mlp() holds
+    fully_shard(fsdp)
+    dcp.save({"model": get_model_state_dict(fsdp)}, checkpoint_id=fsdp_path)
+    want = get_model_state_dict(fsdp, options=StateDictOptions(full_state_dict=True))
+    # FSDP2's checkpoint into zero3, with DCP resharding its row blocks into zero3's boxes.
+    model = _mlp()
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
+    sd = {"model": sharded_state_dict(model)}
+    dcp.load(sd, checkpoint_id=fsdp_path)
+    load_sharded_state_dict(model, sd["model"])
+    into_zero3 = full_state_dict(model)
+    # zero3's checkpoint into FSDP2, read by DCP's own reader.
+    save_checkpoint(zero3_path, model)
+    back = _mlp()
+    fully_shard(back)
+    sd = {"model": get_model_state_dict(back)}
+    dcp.load(sd, checkpoint_id=zero3_path)
+    set_model_state_dict(back, sd["model"])
+    into_fsdp = get_model_state_dict(back, options=StateDictOptions(full_state_dict=True))
+    return {
+        "into_zero3": all(torch.equal(into_zero3[k], want[k]) for k in want),
+        "into_fsdp": all(torch.equal(into_fsdp[k], want[k]) for k in want),
+        "keys": sorted(into_zero3) == sorted(want),
+    }
+
+
+def test_weights_move_between_fsdp2_and_zero3(worker_pool, tmp_path):
+    results = worker_pool(2).run(
+        _fsdp2_to_zero3, str(tmp_path / "fsdp"), str(tmp_path / "zero3"), timeout=180
+    )
+    assert results == [{"into_zero3": True, "into_fsdp": True, "keys": True}] * 2
+
+
 # -- transformers: trained by zero3, consolidated, loaded by from_pretrained -------------------
 
 

@@ -32,6 +32,7 @@ from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._reducer import GradReducer
 from zero3.core._sharded_state_dict import (
+    clone_state_dict,
     flat_boxes,
     load_sharded_state_dict,
     local_flat,
@@ -72,6 +73,7 @@ __all__ = [
     "Zero3Config",
     "check_checkpoint_dir",
     "checkpoint_group",
+    "clone_state_dict",
     "flat_boxes",
     "full_grad",
     "full_state_dict",

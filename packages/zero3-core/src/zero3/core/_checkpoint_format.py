@@ -262,12 +262,23 @@ class CheckpointStorageWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` (one file per rank, fsynced) that also records a
     CRC-32 of every item it writes (see the module note).
 
-    Being a ``FileSystemWriter``, it is also the async stager of ``dcp.async_save``
-    (DCP's default stager cannot stage ShardedTensors).
+    It is also the stager of ``dcp.async_save`` (DCP uses a writer that can stage):
+    :meth:`stage` copies this rank's state to CPU memory once. DCP's default stager
+    fails on ShardedTensors, and ``FileSystemWriter``'s own deep-copies each
+    ShardedTensor's storage before copying it again (twice the rank's state, measured).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of the state to save, each tensor's data once (see the class)."""
+        # Imported here: that module imports this one (through _checkpoint_dist).
+        from zero3.core._sharded_state_dict import clone_state_dict
+
+        self.per_thread_copy_ahead = 0  # the staged copy is on the CPU already
+        staged: dict[str, Any] = clone_state_dict(state_dict)
+        return staged
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items, then their checksums (before DCP's index)."""

@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
@@ -60,6 +61,7 @@ from zero3.core._state import sharded_state, state_of
 
 __all__ = [
     "Box",
+    "clone_state_dict",
     "flat_boxes",
     "load_sharded_state_dict",
     "local_flat",
@@ -230,6 +232,51 @@ def _join(parts: Any) -> torch.Tensor:
     if same:
         return first.as_strided((pos - first.storage_offset(),), (1,), first.storage_offset())
     return torch.cat(tensors)
+
+
+def clone_state_dict(state_dict: Any) -> Any:
+    """A CPU copy of a state dict of ShardedTensors, tensors and plain values, holding
+    each tensor's data once.
+
+    A ShardedTensor's local shards are copied into one new flat buffer and described by
+    the same boxes, now on the CPU; tensors are cloned; dicts, lists and tuples are
+    rebuilt; other values are kept as they are. zero3's async saves stage with it
+    (DCP's ``FileSystemWriter`` stager deep-copies a ShardedTensor's whole storage and
+    then copies it again: twice the rank's state).
+    """
+    if isinstance(state_dict, ShardedTensor):
+        return _clone_sharded(state_dict)
+    if isinstance(state_dict, torch.Tensor):
+        return state_dict.detach().to("cpu", copy=True)
+    if isinstance(state_dict, Mapping):
+        return {k: clone_state_dict(v) for k, v in state_dict.items()}
+    if isinstance(state_dict, list):
+        return [clone_state_dict(v) for v in state_dict]
+    if isinstance(state_dict, tuple):
+        return tuple(clone_state_dict(v) for v in state_dict)
+    return state_dict
+
+
+def _clone_sharded(value: ShardedTensor) -> ShardedTensor:
+    metadata = value.metadata()
+    shards = value.local_shards()
+    flat = _join(s.tensor for s in shards).to("cpu", copy=True)
+    me = dist.get_rank()
+    shards_md: list[ShardMetadata] = []
+    local: list[Shard] = []
+    pos = 0
+    for md in metadata.shards_metadata:
+        assert md.placement is not None
+        rank = md.placement.rank()
+        cpu_md = ShardMetadata(list(md.shard_offsets), list(md.shard_sizes), f"rank:{rank}/cpu")
+        shards_md.append(cpu_md)
+        if rank == me:
+            n = math.prod(md.shard_sizes)
+            local.append(Shard(flat[pos : pos + n].view(md.shard_sizes), cpu_md))
+            pos += n
+    properties = TensorProperties(dtype=flat.dtype, layout=torch.strided, requires_grad=False)
+    cpu = ShardedTensorMetadata(shards_md, metadata.size, properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, cpu)
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
