@@ -146,6 +146,50 @@ def test_resharding_continues_the_same_losses(worker_pool, tmp_path, saved, load
         assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6)
 
 
+class TinyParams(nn.Module):
+    """Parameters smaller than the world: a 1-element one and a 0-d one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.gate = nn.Parameter(torch.tensor([0.5]))
+        self.temp = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gate / self.temp
+
+
+def _tiny_setup(seed: int):
+    from zero3.testing.models import float_batch
+
+    comm = GlooBackend(timeout_s=30)
+    torch.manual_seed(seed)
+    model = TinyParams()
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
+    return comm, model, PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2), float_batch(5)
+
+
+def _tiny_save(path: str) -> list[float]:
+    comm, model, opt, make = _tiny_setup(0)
+    _steps(comm, model, opt, make, 0, 2)
+    save_checkpoint(path, model, opt, extra={"step": 2})
+    return _steps(comm, model, opt, make, 2, 2)
+
+
+def _tiny_load(path: str) -> list[float]:
+    comm, model, opt, make = _tiny_setup(4)
+    extra = load_checkpoint(path, model, opt)
+    return _steps(comm, model, opt, make, extra["step"], 2)
+
+
+def test_parameters_smaller_than_the_world(worker_pool, tmp_path):
+    """Ranks holding nothing of a parameter (and a 0-d one) save and load their part."""
+    path = str(tmp_path / "ckpt")
+    reference = worker_pool(3).run(_tiny_save, path, timeout=120)[0]
+    for losses in worker_pool(2).run(_tiny_load, path, timeout=120):
+        assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6)
+
+
 # -- interop and layout ---------------------------------------------------------------------
 
 

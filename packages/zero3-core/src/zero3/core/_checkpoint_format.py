@@ -47,6 +47,7 @@ from torch.distributed.checkpoint import (
     FileSystemWriter,
     Metadata,
 )
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -490,8 +491,27 @@ class CheckpointStorageReader(FileSystemReader):
 
 
 class CheckpointLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but non-tensor values load with ``weights_only=True``
-    (DCP's own uses ``weights_only=False``, which runs whatever the pickle names)."""
+    """DCP's default load planner with three changes for zero3's state dicts.
+
+    * Non-tensor values load with ``weights_only=True`` (DCP's own uses
+      ``weights_only=False``, which runs whatever the pickle names).
+    * ShardedTensors this rank holds nothing of (a parameter smaller than the world)
+      stay in the plan: DCP's ``flatten_sharded_tensors`` step, meant for FSDP's
+      nested ShardedTensors, drops them.
+    * The plan is made from the keys as given. When some key of the checkpoint is not
+      asked for, DCP's planner guesses the state dict came from torch < 2.4 and
+      re-flattens it the old way, turning a dict of plain values into one key; zero3
+      never loads every key (its own ``zero3`` entries, an unused ``optim``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> LoadPlan:
+        """One read per saved chunk overlapping each requested box or tensor."""
+        if self.metadata is None:
+            raise ValueError("CheckpointLoadPlanner: set_up_planner was not called")
+        return create_default_local_load_plan(self.state_dict, self.metadata, True)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Load a non-tensor value as plain data only, into the state dict's place."""
