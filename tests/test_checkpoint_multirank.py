@@ -28,7 +28,12 @@ from zero3.core import (
     sharded_state_dict,
 )
 from zero3.hooks import shard_module, stats
-from zero3.optim import PartitionedOptimizer, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from zero3.optim import (
+    PartitionedOptimizer,
+    consolidate_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from zero3.testing import RankExited
 from zero3.testing.models import TinyGPT, build, loss_of
 
@@ -100,7 +105,9 @@ def _train_and_save(root: str) -> dict[str, Any]:
 def _load_and_train(root: str) -> dict[str, Any]:
     out = {}
     for mode, opts in MODES.items():
-        comm, model, opt, make = _setup(seed=7, dtype=opts.get("dtype"), flat=opts.get("flat", False))  # noqa: E501
+        comm, model, opt, make = _setup(
+            seed=7, dtype=opts.get("dtype"), flat=opts.get("flat", False)
+        )
         extra = load_checkpoint(os.path.join(root, mode), model, opt)
         losses = _steps(comm, model, opt, make, extra["step"], 3, opts.get("accumulate", 1))
         out[mode] = {"losses": losses, "weights": full_state_dict(model)}
@@ -276,7 +283,7 @@ def _save_gpt(path: str, dtype: torch.dtype | None = None) -> None:
 def _save_other_version(path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    comm, model, opt, make = _setup()
+    _, model, _, _ = _setup()
     state = {"zero3": {"format_version": 999, "info": {}}, "model": sharded_state_dict(model)}
     dcp.save(state, storage_writer=CheckpointStorageWriter(path))
 
@@ -286,7 +293,7 @@ def _load_errors(paths: dict[str, str]) -> dict[str, tuple[str, str]]:
     out = {}
     for kind, path in paths.items():
         model_fn = _tinygpt_other_vocab if kind == "shape" else None
-        comm, model, opt, make = _setup(seed=3, model=model_fn)
+        _, model, opt, _ = _setup(seed=3, model=model_fn)
         try:
             load_checkpoint(path, model, opt)
             out[kind] = ("loaded", "")
@@ -360,7 +367,7 @@ def test_bad_checkpoints_fail_clearly_on_every_rank(worker_pool, tmp_path):
 def _save_extra(path: str) -> dict[str, Any]:
     import random
 
-    comm, model, opt, make = _setup()
+    comm, model, opt, _ = _setup()
     out: dict[str, Any] = {}
     for what, extra in {
         "differs": {"rng": torch.tensor([comm.rank])},
@@ -430,7 +437,7 @@ def _kill_when_paused(pause: Path, stop: threading.Event) -> None:
 
 
 def _load_weights(path: str) -> dict[str, Any]:
-    comm, model, opt, make = _setup(seed=9)
+    _, model, opt, _ = _setup(seed=9)
     try:
         extra = load_checkpoint(path, model, opt)
     except CheckpointError as exc:
@@ -461,7 +468,9 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(worker_pool, tmp_pa
         want = results[0]["published"]
         assert all(torch.equal(got["weights"][k], want[k]) for k in want)
     for got in group.run(_load_weights, str(staging[0]), timeout=120):
-        assert got["error"].startswith(f"IncompleteCheckpointError: incomplete checkpoint {staging[0]}")  # noqa: E501
+        assert got["error"].startswith(
+            f"IncompleteCheckpointError: incomplete checkpoint {staging[0]}"
+        )
 
 
 # -- FSDP2 <-> zero3: the model's weights move through DCP both ways ---------------------------

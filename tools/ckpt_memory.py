@@ -17,6 +17,7 @@ largest tensor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -36,10 +37,8 @@ PHASES = ("save", "async", "load", "load-fresh", "consolidate")
 def _reset_peak() -> int:
     """Reset the high-water mark; the current RSS (KiB) as the baseline."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed small blocks otherwise
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # glibc keeps freed small blocks otherwise
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -154,7 +153,9 @@ def main() -> int:
         f"model {model_mib} MiB fp32 in {args.layers} tensors of {largest:.1f} MiB, "
         f"{args.nproc} ranks: each rank saves {state:.0f} MiB (weights + 2 Adam moments)"
     )
-    print(f"{'phase':<12}{'rank':>5}{'growth MiB':>12}{'/ rank state':>14}{'/ largest':>11}{'s':>8}")
+    print(
+        f"{'phase':<12}{'rank':>5}{'growth MiB':>12}{'/ rank state':>14}{'/ largest':>11}{'s':>8}"
+    )
     for row in rows:
         mib = float(row["growth_kib"]) / 1024  # type: ignore[arg-type]
         note = f" (returned after {row['returned_s']:.2f} s)" if row["returned_s"] else ""

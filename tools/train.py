@@ -164,7 +164,9 @@ def _resume(
     scheduler.load_state_dict(extra["scheduler"])
     step = int(extra["step"])
     if step >= settings.steps:
-        raise ValueError(f"--resume {args.resume}: it is at step {step}, --steps is {settings.steps}")  # type: ignore[attr-defined]
+        raise ValueError(
+            f"--resume {args.resume}: it is at step {step}, --steps is {settings.steps}"
+        )  # type: ignore[attr-defined]
     if comm.rank == 0:
         print(f"resumed from {args.resume} at step {step}", flush=True)  # type: ignore[attr-defined]
     return step

@@ -146,13 +146,13 @@ def test_reader_refuses_missing_partial_and_foreign(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="it is a file"):
         CheckpointReader(tmp_path / "file")
     (tmp_path / "partial").mkdir()
-    with pytest.raises(IncompleteCheckpointError, match="^incomplete checkpoint .*no .metadata"):
+    with pytest.raises(IncompleteCheckpointError, match=r"^incomplete checkpoint .*no \.metadata"):
         CheckpointReader(tmp_path / "partial")
     _save(tmp_path / "plain", {"model": {"w": torch.ones(2)}})
-    with pytest.raises(CheckpointVersionError, match="^not a zero3 checkpoint"):
+    with pytest.raises(CheckpointVersionError, match=r"^not a zero3 checkpoint"):
         CheckpointReader(tmp_path / "plain")
     _save(tmp_path / "v2", {"zero3": {"format_version": 2}, "model": {"w": torch.ones(2)}})
-    with pytest.raises(CheckpointVersionError, match="^incompatible checkpoint .*format 2"):
+    with pytest.raises(CheckpointVersionError, match=r"^incompatible checkpoint .*format 2"):
         CheckpointReader(tmp_path / "v2")
 
 

@@ -96,7 +96,7 @@ def test_state_dict_keeps_torchs_contract():
     sd = opt.state_dict()
     assert {"state", "param_groups"} <= sd.keys()
     assert sd["param_groups"][0]["lr"] == 1e-2
-    fresh, fresh_opt = _build(seed=1)
+    _, fresh_opt = _build(seed=1)
     fresh_opt.load_state_dict(sd)
     assert fresh_opt.state_dict()["param_groups"] == sd["param_groups"]
 
@@ -114,14 +114,16 @@ class KeepsAList(torch.optim.SGD):
 def test_unreshardable_optimizer_state_is_named():
     model, opt = _build(optimizer=KeepsAList)
     _train(model, opt, 1, 0)
-    with pytest.raises(ValueError, match="keeps state 'history' of parameter 'inp.weight' as a list"):
+    with pytest.raises(
+        ValueError, match=r"keeps state 'history' of parameter 'inp\.weight' as a list"
+    ):
         opt.sharded_state_dict()
 
 
 def test_optimizer_state_must_be_in_the_checkpoint(tmp_path):
     model, opt = _build()
     save_checkpoint(tmp_path / "weights", model)
-    with pytest.raises(CheckpointMismatchError, match="^no optimizer state in checkpoint"):
+    with pytest.raises(CheckpointMismatchError, match=r"^no optimizer state in checkpoint"):
         load_checkpoint(tmp_path / "weights", model, opt)
     load_checkpoint(tmp_path / "weights", model)  # weights only
 
@@ -165,7 +167,7 @@ def test_without_rename_exchange_two_renames_and_a_clear_hint(tmp_path, monkeypa
     assert load_checkpoint(target, model, opt) == {"n": 2}
     # A crash between the two renames: the previous checkpoint sits aside.
     os.rename(target, tmp_path / ".ckpt.zero3-old-abc")
-    with pytest.raises(CheckpointNotFoundError, match="previous checkpoint is at .*zero3-old-abc"):
+    with pytest.raises(CheckpointNotFoundError, match=r"previous checkpoint is at .*zero3-old-abc"):
         load_checkpoint(target, model, opt)
 
 

@@ -15,9 +15,7 @@ from zero3.core._state import ShardedModelState, sharded_state
 
 __all__ = ["checkpoint_group", "global_ranks", "raise_on_every_rank"]
 
-_GLOBAL_RANKS: weakref.WeakKeyDictionary[ShardedModelState, list[int]] = (
-    weakref.WeakKeyDictionary()
-)
+_GLOBAL_RANKS: weakref.WeakKeyDictionary[ShardedModelState, list[int]] = weakref.WeakKeyDictionary()
 # ranks -> (the default group it was made under, the checkpoint group)
 _GROUPS: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
 
@@ -79,7 +77,7 @@ def checkpoint_group(module: nn.Module) -> dist.ProcessGroup | None:
         timeout=datetime.timedelta(seconds=state.comm.timeout_s),
         use_local_synchronization=len(ranks) != dist.get_world_size(),
     )
-    assert group is not None
+    assert isinstance(group, dist.ProcessGroup)
     _GROUPS[ranks] = (world, group)
     return group
 

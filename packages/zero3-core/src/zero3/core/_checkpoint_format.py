@@ -41,13 +41,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint import (
+from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
-    FileSystemReader,
-    FileSystemWriter,
-    Metadata,
+    create_default_local_load_plan,
 )
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -81,7 +80,7 @@ CHECKPOINT_FORMAT_VERSION = 1
 
 _METADATA_FILE = ".metadata"  # DCP's index, written last
 _CHECKSUM_SUFFIX = "zero3-checksums.json"
-_BLOCK = 1 << 24  # bytes read at a time while checksumming
+_BLOCK = 1 << 20  # bytes read at a time while checksumming
 #: Test-only pause point: a directory. A rank whose environment sets it writes
 #: ``rank<r>.pid`` there after writing its data and before finishing, then sleeps, so a
 #: test can kill it in the middle of a save.
@@ -116,7 +115,8 @@ CHECKPOINT_LAYOUT = CheckpointLayout()
 
 class CheckpointError(Exception):
     """A checkpoint cannot be saved or loaded. The message starts with what is wrong
-    and names the path; multi-rank calls raise it on every rank."""
+    and names the path; multi-rank calls raise it on every rank.
+    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -216,7 +216,8 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` and nothing else: no class or function outside
-    the index's own dataclasses (and torch dtypes, sizes, paths) can be named."""
+    the index's own dataclasses (and torch dtypes, sizes, paths) can be named.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:

@@ -42,7 +42,9 @@ class _DirectReads(LoadPlanner):
         self.targets: dict[tuple[str, int], torch.Tensor] = {}
         self.values: dict[str, Any] = {}
 
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:  # noqa: E501
+    def set_up_planner(
+        self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
         """Unused: the reads are planned directly."""
 
     def create_local_plan(self) -> LoadPlan:
@@ -207,13 +209,20 @@ class CheckpointReader:
                 seen.setdefault(str(path[n]), None)
         return list(seen)
 
-    def read_section(self, *prefix: str) -> dict[str, Any]:
-        """Everything below ``prefix`` as nested dicts/lists of whole tensors and values."""
+    def read_section(self, *prefix: str) -> Any:
+        """Everything below ``prefix`` as nested dicts/lists of whole tensors and values
+        (``{}`` when nothing is saved there)."""
         n = len(prefix)
         chosen = {
-            fqn: path[n:] for fqn, path in self.paths.items() if len(path) > n and path[:n] == prefix
+            fqn: path[n:]
+            for fqn, path in self.paths.items()
+            if len(path) > n and path[:n] == prefix
         }
-        plain = [f for f in chosen if isinstance(self.metadata.state_dict_metadata.get(f), BytesStorageMetadata)]  # noqa: E501
+        plain = [
+            f
+            for f in chosen
+            if isinstance(self.metadata.state_dict_metadata.get(f), BytesStorageMetadata)
+        ]
         values = self.read_values(plain)
         for fqn in chosen:
             if fqn not in values:
@@ -223,7 +232,8 @@ class CheckpointReader:
     def template(self, *prefix: str) -> Any:
         """Destinations for ``dcp.load`` of everything below ``prefix``: nested dicts and
         lists as saved, an empty whole tensor per tensor, None per plain value (DCP's
-        planner fills those in place). ``{}`` when nothing is saved there."""
+        planner fills those in place). ``{}`` when nothing is saved there.
+        """
         n = len(prefix)
         flat: dict[tuple[Any, ...], Any] = {}
         for fqn, path in self.paths.items():
@@ -271,8 +281,9 @@ class CheckpointReader:
         self.storage.read_data(LoadPlan(items), planner).wait()
 
 
-def nest(flat: Mapping[tuple[Any, ...], Any]) -> dict[str, Any]:
-    """Nested dicts (string keys) and lists (integer keys) from ``{path: value}``."""
+def nest(flat: Mapping[tuple[Any, ...], Any]) -> Any:
+    """Nested dicts (string keys) and lists (integer keys) from ``{path: value}``; a list
+    at the top when every top-level key is an index."""
     root: dict[Any, Any] = {}
     for path, value in flat.items():
         node: Any = root

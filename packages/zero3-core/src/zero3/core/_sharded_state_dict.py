@@ -51,8 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharded_tensor.shard import Shard
 
 from zero3.core._checkpoint_dist import global_ranks
 from zero3.core._full_state_dict import LoadResult, state_dict_entries
@@ -122,7 +123,8 @@ def _rank_boxes(shape: tuple[int, ...], world: int) -> tuple[tuple[Box, ...], ..
 
 def sharded_param(param: torch.Tensor) -> ShardedParam | None:
     """The partitioned state of ``param`` (its :class:`ShardedParam`: shape, shard,
-    ranges), or None if it is not a parameter of a sharded module."""
+    ranges), or None if it is not a parameter of a sharded module.
+    """
     return lookup(param)
 
 
@@ -178,7 +180,10 @@ def sharded_like(param: torch.Tensor | ShardedParam, local: torch.Tensor) -> tor
             pos += n
     properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False)
     metadata = ShardedTensorMetadata(shards_md, torch.Size(shape), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+    out: torch.Tensor = ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, metadata
+    )
+    return out
 
 
 def local_flat(value: Any, param: torch.Tensor | ShardedParam) -> torch.Tensor:
@@ -199,8 +204,7 @@ def local_flat(value: Any, param: torch.Tensor | ShardedParam) -> torch.Tensor:
         size = tuple(value.metadata().size)
         if size != shape:
             raise ValueError(
-                f"{sp.name!r}: the sharded value has shape {size}, the "
-                f"parameter {shape}"
+                f"{sp.name!r}: the sharded value has shape {size}, the parameter {shape}"
             )
         shards = value.local_shards()
         boxes = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in shards]
@@ -230,7 +234,10 @@ def _join(parts: Any) -> torch.Tensor:
         same = same and t.storage_offset() == pos
         pos += t.numel()
     if same:
-        return first.as_strided((pos - first.storage_offset(),), (1,), first.storage_offset())
+        view: torch.Tensor = first.as_strided(
+            (pos - first.storage_offset(),), (1,), first.storage_offset()
+        )
+        return view
     return torch.cat(tensors)
 
 
@@ -276,7 +283,8 @@ def _clone_sharded(value: ShardedTensor) -> ShardedTensor:
             pos += n
     properties = TensorProperties(dtype=flat.dtype, layout=torch.strided, requires_grad=False)
     cpu = ShardedTensorMetadata(shards_md, metadata.size, properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, cpu)
+    out: ShardedTensor = ShardedTensor._init_from_local_shards_and_global_metadata(local, cpu)
+    return out
 
 
 def sharded_state_dict(module: nn.Module) -> dict[str, Any]:

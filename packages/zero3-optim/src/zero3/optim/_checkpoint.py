@@ -48,9 +48,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zero3.core import (
     CHECKPOINT_FORMAT_VERSION,
@@ -155,11 +157,11 @@ def save_checkpoint(
     writer = CheckpointStorageWriter(staging)
     if not async_save:
         with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
-            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
+            dcp_save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
         _publish_everywhere(group, rank, staging, target)
         return None
     with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
-        upload = dcp.async_save(
+        upload = dcp_async_save(
             sd, storage_writer=writer, process_group=group, no_dist=group is None
         )
     del sd  # staged: the live tensors may change from here on
@@ -223,7 +225,7 @@ def load_checkpoint(
     raise_on_every_rank(group, error)
     assert reader is not None
     with _failures("cannot load checkpoint", target), quiet_dcp_warnings():
-        dcp.load(
+        dcp_load(
             template,
             storage_reader=reader.storage,
             planner=CheckpointLoadPlanner(),
@@ -370,7 +372,9 @@ def _check_model(reader: CheckpointReader, model_sd: Mapping[str, Any]) -> None:
     expected = {key: tuple(value.size()) for key, value in model_sd.items()}
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
-    shapes = [f"{k}: {saved[k]} saved, {v} here" for k, v in expected.items() if saved.get(k, v) != v]
+    shapes = [
+        f"{k}: {saved[k]} saved, {v} here" for k, v in expected.items() if saved.get(k, v) != v
+    ]
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -441,7 +445,13 @@ def _exchange(a: Path, b: Path) -> bool:
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is None:
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]  # noqa: E501
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     renameat2.restype = ctypes.c_int
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
@@ -526,7 +536,8 @@ def _log_failure(future: Future[Path]) -> None:
 @contextlib.contextmanager
 def _failures(what: str, target: Path) -> Any:
     """DCP's ``CheckpointException`` (a ``BaseException`` listing ranks and tracebacks)
-    and torch.distributed errors become one :class:`CheckpointError` on every rank."""
+    and torch.distributed errors become one :class:`CheckpointError` on every rank.
+    """
     try:
         yield
     except CheckpointException as exc:

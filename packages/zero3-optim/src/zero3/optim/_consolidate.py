@@ -81,7 +81,8 @@ def _plan(reader: CheckpointReader, dtype: torch.dtype | None) -> list[_Tensor]:
 
 def _files(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
     """Consecutive tensors grouped into files of at most ``limit`` bytes (a larger
-    tensor gets a file of its own), as ``save_pretrained`` shards."""
+    tensor gets a file of its own), as ``save_pretrained`` shards.
+    """
     files: list[list[_Tensor]] = [[]]
     size = 0
     for t in tensors:

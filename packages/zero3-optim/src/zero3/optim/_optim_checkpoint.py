@@ -67,7 +67,9 @@ def _local(opt: PartitionedOptimizer, sg: _SubGroup, k: int, value: torch.Tensor
     return value
 
 
-def _kind(opt: PartitionedOptimizer, sp: ShardedParam, owner: torch.Tensor, key: str, value: Any) -> str:  # noqa: E501
+def _kind(
+    opt: PartitionedOptimizer, sp: ShardedParam, owner: torch.Tensor, key: str, value: Any
+) -> str:
     if isinstance(value, torch.Tensor) and value.shape == owner.shape and value.dim() == 1:
         return "element"
     if (isinstance(value, torch.Tensor) and value.dim() == 0) or isinstance(value, _PLAIN):
@@ -208,7 +210,11 @@ def _owner_state(
     entry = {}
     keys = {key for sp in sg.params for key in state.get(sp.name, {})}
     for key in sorted(keys):
-        parts = [(i, state[sp.name][key]) for i, sp in enumerate(sg.params) if key in state.get(sp.name, {})]  # noqa: E501
+        parts = [
+            (i, state[sp.name][key])
+            for i, sp in enumerate(sg.params)
+            if key in state.get(sp.name, {})
+        ]
         locals_ = {i: local_flat(v, sg.params[i]) for i, v in parts}
         dtype = next(iter(locals_.values())).dtype
         flat = _flat_buffer(sg, locals_, dtype)
@@ -219,9 +225,12 @@ def _owner_state(
     return entry
 
 
-def _flat_buffer(sg: _SubGroup, locals_: dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:  # noqa: E501
+def _flat_buffer(
+    sg: _SubGroup, locals_: dict[int, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """The sub-group's flat tensor holding the members' slices; reuses the buffer the
-    slices already live in (the load template's) instead of copying."""
+    slices already live in (the load template's) instead of copying.
+    """
     assert sg.master is not None
     numel = sg.master.numel()
     first_i, first = next(iter(locals_.items()))
@@ -292,12 +301,12 @@ def _state_buffer(
     fresh: dict[tuple[int, str], torch.Tensor],
 ) -> torch.Tensor:
     """Where a member's slice of a per-element state loads: in place if the optimizer
-    has that state already, else a new buffer (one per sub-group with ``flat=True``)."""
+    has that state already, else a new buffer (one per sub-group with ``flat=True``).
+    """
     owner = _owner(opt, sg, k)
     existing = opt.optimizer.state.get(owner, {}).get(key)
-    if not (isinstance(existing, torch.Tensor) and existing.shape == owner.shape):
-        existing = None
-    elif existing.dtype != dtype:
+    usable = isinstance(existing, torch.Tensor) and existing.shape == owner.shape
+    if not usable or existing.dtype != dtype:
         existing = None
     if existing is None:
         if opt.flat and sg.master is not None:
