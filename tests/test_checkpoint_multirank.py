@@ -264,6 +264,17 @@ def test_dcp_tools_open_it_and_replicated_entries_are_saved_once(worker_pool, tm
     }
     assert all(torch.equal(full["model"][k], saved[k]) for k in saved)
     assert full["zero3"]["format_version"] == 1
+    # CheckpointReader (construct-time loading's WeightSource): any flat range of any key.
+    assert reader.describe() == path
+    assert {k: shape for k, (shape, _) in reader.entries().items()} == {
+        k: tuple(v.shape) for k, v in reference.items()
+    }
+    for key, value in full["model"].items():
+        flat = value.reshape(-1)
+        n = flat.numel()
+        for start, stop in [(0, n), (1, n - 1), (n // 3, 2 * n // 3), (n - 1, n)]:
+            assert torch.equal(reader.read_flat(key, start, stop), flat[start:stop]), key
+    reader.close()
     for threshold in (20, 0):  # persistent entries load into sharded parameters too
         loaded = worker_pool(2).run(_load_with_buffers, path, threshold, timeout=120)
         for got in loaded:

@@ -2,6 +2,7 @@
 
     python tools/ckpt_memory.py                 # 256 MiB fp32 model, 16 layers, 2 ranks
     python tools/ckpt_memory.py --mib 512 --layers 8 --nproc 2
+    python tools/ckpt_memory.py --mib 1024 --layers 64 --phases save consolidate
 
 Each phase runs in fresh processes (torchrun for the ranks, one process for the
 consolidation). A rank builds the model (a stack of bias-free ``nn.Linear``), shards it,
@@ -133,6 +134,13 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=256, help="model size (fp32 MiB)")
     p.add_argument("--layers", type=int, default=16, help="equal nn.Linear layers")
     p.add_argument("--nproc", type=int, default=2, help="ranks")
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=list(PHASES),
+        help="what to measure (save runs first: the others read its checkpoint)",
+    )
     p.add_argument("--phase", choices=PHASES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -143,7 +151,8 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="zero3-ckpt-memory-")
     try:
         ckpt = os.path.join(root, "ckpt")
-        rows = [row for phase in PHASES for row in _run_phase(phase, args, ckpt)]
+        phases = ["save", *(p for p in args.phases if p != "save")]
+        rows = [row for phase in phases for row in _run_phase(phase, args, ckpt)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     model_mib = args.mib

@@ -35,7 +35,8 @@ def _refuse_unavailable(module: nn.Module, prefix: str, keep_vars: bool) -> None
                 f"state_dict() of a sharded module: parameter {prefix + name!r} is partitioned "
                 "across ranks and not gathered here, so its entry would hold no data. Use "
                 "zero3.hooks.full_state_dict(model, rank0_only=False) (every rank calls it; "
-                "it gathers module by module)."
+                "it gathers module by module), or save a sharded checkpoint with "
+                "zero3.optim.save_checkpoint."
             )
 
 

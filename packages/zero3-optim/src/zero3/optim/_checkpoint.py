@@ -184,6 +184,9 @@ def load_checkpoint(
     masters are written back into the model. Load into a freshly built model and
     optimizer (or ones to overwrite); the optimizer may be None to load weights only.
 
+    Errors derive from :class:`~zero3.core.CheckpointError` (an ``Exception``), start
+    with what is wrong, name the path, and are raised on every rank.
+
     Returns:
         The ``extra`` dict saved with the checkpoint (``{}`` if none): tensors and
         plain values, loaded without unpickling code.
@@ -195,9 +198,6 @@ def load_checkpoint(
         CheckpointVersionError: Another zero3 checkpoint format, or not zero3's.
         CheckpointMismatchError: A checkpoint of another model (missing or unexpected
             keys, other shapes) or optimizer layout.
-
-        All derive from :class:`~zero3.core.CheckpointError` (an ``Exception``), start
-        with what is wrong, name the path, and are raised on every rank.
     """
     sharded_state(module)
     _check_optimizer(module, optimizer)
