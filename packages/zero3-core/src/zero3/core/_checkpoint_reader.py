@@ -211,7 +211,8 @@ class CheckpointReader:
 
     def read_section(self, *prefix: str) -> Any:
         """Everything below ``prefix`` as nested dicts/lists of whole tensors and values
-        (``{}`` when nothing is saved there)."""
+        (``{}`` when nothing is saved there).
+        """
         n = len(prefix)
         chosen = {
             fqn: path[n:]
@@ -283,7 +284,8 @@ class CheckpointReader:
 
 def nest(flat: Mapping[tuple[Any, ...], Any]) -> Any:
     """Nested dicts (string keys) and lists (integer keys) from ``{path: value}``; a list
-    at the top when every top-level key is an index."""
+    at the top when every top-level key is an index.
+    """
     root: dict[Any, Any] = {}
     for path, value in flat.items():
         node: Any = root
