@@ -76,6 +76,10 @@ CASES = [
             "model.state_dict(): state_dict() of a sharded module: parameter '0.weight' is "
             "partitioned across ranks",
             "resumed losses equal the uninterrupted run: True",
+            "async save published ckpt",
+            "consolidated: ['model.safetensors']",
+            "dcp_to_torch_save: ['extra', 'model', 'optim', 'zero3'], model keys ['0.bias', "
+            "'0.weight', '2.bias', '2.weight']",
             "rank 1: bias after the edit [0.0]",
         ],
     ),

@@ -94,6 +94,27 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="Zero3Config.param_persistence_threshold (tensors this small stay whole)",
     )
+    ckpt = p.add_argument_group("checkpoints (torch.distributed.checkpoint, any number of ranks)")
+    ckpt.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="save a sharded checkpoint to DIR at the end (and every --save-every steps), "
+        "replacing the previous one atomically; '{step}' in DIR becomes the step number",
+    )
+    ckpt.add_argument(
+        "--save-every", type=int, default=None, metavar="K", help="also save every K steps"
+    )
+    ckpt.add_argument(
+        "--save-async", action="store_true", help="write checkpoints while training goes on"
+    )
+    ckpt.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue from a checkpoint, with any number of ranks (keep --batch x ranks "
+        "to see the same global batches)",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--trace",
@@ -312,6 +333,8 @@ def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
     dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         config.param_dtype, "fp32"
     )  # type: ignore[arg-type]
+    _check(args.save_every is None or args.save_every >= 1, "--save-every must be >= 1")
+    _check(args.save_every is None or args.save is not None, "--save-every needs --save DIR")
     return Settings(
         config, args.steps, batch, accumulation, optimizer, kwargs, scheduler, dtype, args.seed
     )

@@ -26,6 +26,8 @@ from zero3.comm._registry import (
     create_backend,
     default_device_type,
     hookimpl,
+    local_device_index,
+    local_rank,
     registered_backends,
 )
 from zero3.comm._stream import Event, HostStream, Stream, TorchDeviceStream
@@ -70,5 +72,7 @@ __all__ = [
     "create_backend",
     "default_device_type",
     "hookimpl",
+    "local_device_index",
+    "local_rank",
     "registered_backends",
 ]

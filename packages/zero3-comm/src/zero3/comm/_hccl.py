@@ -27,8 +27,9 @@ def import_torch_npu() -> ModuleType:
     Note:
         ``importlib.util.find_spec("torch_npu")`` is truthy even when the import fails
         (without CANN, loading ``libhccl.so`` raises), so availability is decided by
-        actually importing it, and never at module import time (NOTES: an installed
-        torch_npu without CANN breaks ``import torch`` unless autoloading is off).
+        actually importing it, and never at module import time (an installed torch_npu
+        without CANN breaks ``import torch`` unless autoloading is off: see "Optional
+        accelerator libraries" in docs/facts.rst).
     """
     try:
         return importlib.import_module("torch_npu")

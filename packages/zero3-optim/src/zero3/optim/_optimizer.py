@@ -1,4 +1,4 @@
-"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer (seed §8).
+"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer.
 
 Note (what the wrapped optimizer sees):
     Each rank owns a 1/N slice of every parameter. Its fp32 master copy lives in flat
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 
 from zero3.comm import ReduceOp
 from zero3.core import ShardedModelState, ShardedParam, sharded_param, sharded_state
+from zero3.optim import _optim_checkpoint
 from zero3.optim._loss_scale import LossScaler
 
 __all__ = ["PartitionedOptimizer"]
@@ -352,7 +353,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         Sub-groups are batched while their elements fit in ``sub_group_size``, so with
         the default the wrapped optimizer steps once; a smaller ``sub_group_size`` bounds
         the fp32 gradient memory of one batch and the optimizer steps once per batch
-        (the other batches' tensors have grad None then, so it skips them; seed §8).
+        (the other batches' tensors have grad None then, so it skips them).
         """
         limit = self._zstate.config.sub_group_size
         batch: list[_SubGroup] = []
@@ -440,11 +441,50 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state for ``torch.distributed.checkpoint``, by parameter name.
+
+        fp32 masters that are separate copies (``master``), per-element state tensors
+        (``state``) as ShardedTensors in the parameters' natural shapes (views of this
+        rank's slices, no copy), scalar state such as ``step`` (``scalars``), the param
+        groups with their parameters by name (``param_groups``) and the loss scaler
+        (``scaler``). DCP saves it at one world size and loads it at another. Not a
+        collective. ``zero3.optim.save_checkpoint`` saves it beside the model.
+
+        Raises:
+            ValueError: The wrapped optimizer keeps state that is neither a per-element
+                tensor nor a scalar (naming the state key and the parameter).
+        """
+        return _optim_checkpoint.sharded_state(self)
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`sharded_state_dict` contents (filled by ``dcp.load``, at any world
+        size) into this optimizer, then write the masters back into the model.
+
+        The model's weights must be loaded first: where the checkpoint holds no
+        separate master for a parameter, the master is refreshed from the model's shard.
+        A collective (persistent parameters are re-gathered).
+
+        Raises:
+            CheckpointMismatchError: The param groups list other parameters (by name),
+                or the state names parameters this optimizer does not step.
+        """
+        _optim_checkpoint.load_sharded_state(self, state_dict)
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state, fp32 masters and loss scale (per-rank file)."""
+        """This rank's state, for a file per rank (same rank, same world size only).
+
+        Follows ``torch.optim.Optimizer.state_dict()``'s contract (``state`` and
+        ``param_groups`` of the wrapped optimizer, so trainers that save and restore it
+        work), plus zero3's per-rank entries: the fp32 masters, the loss scaler, and the
+        rank and world size it belongs to. For checkpoints that load at any world size
+        use :meth:`sharded_state_dict` (or ``zero3.optim.save_checkpoint``).
+        """
         comm = self._zstate.comm
+        inner = self.optimizer.state_dict()
         return {
-            "inner": self.optimizer.state_dict(),
+            "state": inner["state"],
+            "param_groups": inner["param_groups"],
             "masters": [torch.cat([v.detach() for v in sg.views]) for sg in self._subgroups],
             "layout": [[sp.name for sp in sg.params] for sg in self._subgroups],
             "flat": self.flat,
@@ -463,8 +503,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "PartitionedOptimizer.load_state_dict: the state was saved by rank "
                 f"{state_dict.get('rank')} of {state_dict.get('world_size')}, this is rank "
-                f"{comm.rank} of {comm.world_size}; load each rank's own file (resharding "
-                "to another world size is not supported yet)"
+                f"{comm.rank} of {comm.world_size}; load each rank's own file, or use "
+                "zero3.optim.load_checkpoint, which reshards"
             )
         layout = [[sp.name for sp in sg.params] for sg in self._subgroups]
         if state_dict.get("layout") != layout or state_dict.get("flat") != self.flat:
@@ -472,7 +512,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 "PartitionedOptimizer.load_state_dict: the parameter groups differ from the "
                 "ones the state was saved with (names, order, sub_group_size or flat)"
             )
-        self.optimizer.load_state_dict(state_dict["inner"])
+        inner = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
+        self.optimizer.load_state_dict(inner)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         with torch.no_grad():

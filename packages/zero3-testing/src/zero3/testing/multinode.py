@@ -5,10 +5,10 @@ hosts): every rank trains a small GPT through zero3 and, beside it, the same mod
 process on the whole batch, then writes ``DIR/rank<R>.json`` with
 
 * who it is: global rank, world size, the rank on its node as the launcher says it
-  (``zero3.comm``'s :func:`~zero3.comm._registry.local_rank`) and a node key (torchrun's
+  (``zero3.comm``'s :func:`~zero3.comm.local_rank`) and a node key (torchrun's
   ``GROUP_RANK``, or under MPI the global rank of the node's first process);
 * the accelerator index ``nccl``/``hccl``/``cupy-nccl`` would pick on a node with
-  ``--devices`` devices (:func:`~zero3.comm._registry.local_device_index`);
+  ``--devices`` devices (:func:`~zero3.comm.local_device_index`);
 * how far sharded training is from the one-process reference (losses, parameters).
 
 A test then checks the placement (two nodes, local ranks 0..n-1 on each, device index =
@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from zero3.comm import CommBackend, ReduceOp, create_backend
-from zero3.comm._registry import local_device_index, local_rank
+from zero3.comm import CommBackend, ReduceOp, create_backend, local_device_index, local_rank
 
 __all__ = ["main", "node_key", "train_against_one_process"]
 
