@@ -6,13 +6,16 @@ Note (one checkpoint, any world size):
     a ``zero3`` directory: one DCP checkpoint (``zero3.optim.save_checkpoint``) with
     the model's shards, the optimizer's fp32 masters and state, the loss scaler, and in
     ``extra`` the learning-rate scheduler's state and each rank's RNG states under its
-    own key (``rng_rank{r}``). DCP reshards the model and optimizer on load, so a run
+    own key (``rng_rank{r}``). The scheduler's state goes in as JSON text: a checkpoint
+    keeps leaves, so the empty dicts a ``LambdaLR`` state holds (one per function) would
+    not come back as such. DCP reshards the model and optimizer on load, so a run
     resumes at another world size; a rank with no saved RNG state (a larger world)
     keeps its own, as the stock Trainer does when a process has no RNG file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ZERO3_DIR", "restore_rng", "rng_key", "rng_state", "zero3_dir"]
+__all__ = ["ZERO3_DIR", "restore_rng", "rng_key", "rng_state", "scheduler_text", "zero3_dir"]
 
 _log = logging.getLogger("zero3.hf")
 
@@ -32,6 +35,21 @@ ZERO3_DIR = "zero3"
 def zero3_dir(checkpoint: str | os.PathLike[str]) -> str:
     """The zero3 checkpoint inside a Trainer checkpoint folder."""
     return os.path.join(checkpoint, ZERO3_DIR)
+
+
+def scheduler_text(scheduler: Any) -> str:
+    """A learning-rate scheduler's ``state_dict()`` as JSON text.
+
+    Raises:
+        TypeError: The state holds something JSON cannot write (a tensor, an object).
+    """
+    try:
+        return json.dumps(scheduler.state_dict())
+    except TypeError as exc:
+        raise TypeError(
+            f"Zero3Trainer saves the learning-rate scheduler's state_dict() as JSON, and "
+            f"{type(scheduler).__name__}'s holds something else ({exc})"
+        ) from exc
 
 
 def rng_key(rank: int) -> str:

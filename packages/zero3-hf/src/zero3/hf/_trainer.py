@@ -18,8 +18,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 from transformers.training_args import ParallelMode
 
-from zero3.core import Zero3Config, try_sharded_state
-from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, zero3_dir
+from zero3.core import Zero3Config, checkpoint_group, raise_on_every_rank, try_sharded_state
+from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, scheduler_text, zero3_dir
 from zero3.hf._config import (
     Zero3ConfigLike,
     args_dtype,
@@ -30,7 +30,12 @@ from zero3.hf._config import (
 from zero3.hf._deepspeed import check_scheduler_steps
 from zero3.hf._optim import Zero3AcceleratedOptimizer, build_partitioned, scale_loss_gradient
 from zero3.hooks import load_full_state_dict, shard_module
-from zero3.optim import PartitionedOptimizer
+from zero3.optim import (
+    PartitionedOptimizer,
+    consolidate_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 __all__ = ["Zero3Trainer"]
 
@@ -329,8 +334,6 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             )
 
     def _save_zero3_checkpoint(self, output_dir: str) -> None:
-        from zero3.optim import save_checkpoint  # TEMP until issue 15 is on main
-
         os.makedirs(output_dir, exist_ok=True)
         rank = self.args.process_index
         extra: dict[str, Any] = {
@@ -339,7 +342,7 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             rng_key(rank): rng_state(),
         }
         if self.lr_scheduler is not None:
-            extra["scheduler"] = self.lr_scheduler.state_dict()
+            extra["scheduler"] = scheduler_text(self.lr_scheduler)
         save_checkpoint(zero3_dir(output_dir), self.model, self._require_optimizer(), extra=extra)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -354,11 +357,9 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             )
 
     def _load_zero3_checkpoint(self, checkpoint: str) -> None:
-        from zero3.optim import load_checkpoint  # TEMP until issue 15 is on main
-
         extra = load_checkpoint(zero3_dir(checkpoint), self.model, self._require_optimizer())
         if self.lr_scheduler is not None and "scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["scheduler"])
+            self.lr_scheduler.load_state_dict(json.loads(extra["scheduler"]))
         self._resume_extra = {"checkpoint": checkpoint, **extra}
         if extra.get("world_size") != self.args.world_size:
             _log.info(
@@ -389,8 +390,6 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         best = self.state.best_model_checkpoint
         assert best is not None
         _log.info("zero3: loading the best model from %s", best)
-        from zero3.optim import load_checkpoint  # TEMP until issue 15 is on main
-
         if os.path.isdir(zero3_dir(best)):
             load_checkpoint(zero3_dir(best), self.model, None)
         else:  # save_only_model: consolidated safetensors
@@ -403,9 +402,6 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         shards into a DCP checkpoint, then rank 0 consolidates it one tensor at a time;
         no rank ever holds the whole model.
         """
-        from zero3.core import checkpoint_group, raise_on_every_rank  # TEMP (issue 15)
-        from zero3.optim import consolidate_checkpoint, save_checkpoint  # TEMP (issue 15)
-
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         staging = os.path.join(output_dir, _CONSOLIDATING)
