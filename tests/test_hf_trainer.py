@@ -168,8 +168,12 @@ def _case_parity(out: Path) -> dict[str, Any]:
         "train_batch_size": config.extras["train_batch_size"],
         "optimizer_params": config.extras["optimizer"]["params"],
     }
-    for precision in ("bf16", "fp16"):
-        run = _zero3("gpt2", out / precision, data, zero3_config=str(DS_JSON), max_steps=2,
+    # fp16 starts at a loss scale that overflows: those steps are skipped (and so is the
+    # scheduler's step for them, as with DeepSpeed) until the scale has come down.
+    fp16_config = json.loads(DS_JSON.read_text())
+    fp16_config["fp16"].update(initial_scale_power=19, hysteresis=1)
+    for precision, config in (("bf16", str(DS_JSON)), ("fp16", fp16_config)):
+        run = _zero3("gpt2", out / precision, data, zero3_config=config, max_steps=4,
                      **{precision: True})  # fmt: skip
         run.train()
         opt = run.partitioned_optimizer
@@ -178,6 +182,8 @@ def _case_parity(out: Path) -> dict[str, Any]:
             "losses": _losses(run),
             "loss_scaled": bool(opt.fp16),
             "master_dtype": str(opt.master_shards()[0].dtype),
+            "skipped": opt.scaler.skipped_steps,
+            "scheduler_steps": run.lr_scheduler.last_epoch,
         }
 
     # save_model: consolidated safetensors that from_pretrained loads
@@ -211,10 +217,16 @@ def _case_kill(out: Path) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     data = _data(48, 1)
-    full = _zero3("llama", out / "full", data, **_resume_args(2))
+    # Evaluated every 3 steps and reloading the best checkpoint at the end
+    # (load_best_model_at_end): evaluation must not disturb training.
+    full = _zero3("llama", out / "full", data, _data(8, 2), eval_strategy="steps", eval_steps=3,
+                  load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                  **_resume_args(2))  # fmt: skip
     full.train()
+    best = {"checkpoint": Path(full.state.best_model_checkpoint).name,
+            "metric": full.state.best_metric, "after": full.evaluate()["eval_loss"]}  # fmt: skip
     if int(os.environ["RANK"]) == 0:
-        (out / "kill.json").write_text(json.dumps({"losses": _losses(full)}))
+        (out / "kill.json").write_text(json.dumps({"losses": _losses(full), "best": best}))
 
     class Kill(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -332,7 +344,10 @@ def test_bf16_and_fp16_auto_cast_the_parameters(parity, precision, dtype, scaled
     assert r["dtype"] == dtype
     assert r["master_dtype"] == "torch.float32"
     assert r["loss_scaled"] is scaled
-    assert len(r["losses"]) == 2 and all(0 < loss < 10 for loss in r["losses"])
+    assert len(r["losses"]) == 4 and all(0 < loss < 10 for loss in r["losses"])
+    if scaled:  # overflow steps are skipped, and the scheduler does not step for them
+        assert 0 < r["skipped"] < 4
+    assert r["scheduler_steps"] == 4 - r["skipped"]
 
 
 def test_save_model_loads_with_from_pretrained(parity):
@@ -351,6 +366,12 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert (out / "killed" / "checkpoint-3" / "zero3").is_dir(), proc.stderr[-8000:]
     assert not (out / "killed" / "checkpoint-6").exists()
     return out
+
+
+def test_load_best_model_at_end_reloads_the_best_checkpoint(killed):
+    best = json.loads((killed / "kill.json").read_text())["best"]
+    assert best["checkpoint"] in ("checkpoint-3", "checkpoint-6")
+    assert best["after"] == pytest.approx(best["metric"], rel=1e-6)
 
 
 def test_resume_after_a_kill_equals_the_uninterrupted_run(killed):
