@@ -9,7 +9,7 @@ Note (where the stock Trainer would go wrong, transformers 5.24 / accelerate 1.1
       returns the model (no ``nn.DataParallel`` either).
     - The ``is_distributed_loading_by_transformers`` path (models sharded at load time)
       broadcasts trainable parameters from rank 0 and adds all-reduce hooks: it is never
-      taken (the attribute stays unset on the model).
+      taken (a model loaded that way is refused; zero3 never sets the attribute).
     - ``AcceleratedOptimizer`` with device placement round-trips the optimizer's
       ``state_dict()`` through ``load_state_dict()``, which for a PartitionedOptimizer
       rewrites every shard and regathers the model: the wrapper is built without it.
@@ -176,6 +176,12 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
 
     def _zero3_model(self, model: nn.Module, args: TrainingArguments) -> nn.Module:
         """Shard ``model`` (or check an already sharded one) for these arguments."""
+        if getattr(model, "is_distributed_loading_by_transformers", False):
+            raise ValueError(
+                "Zero3Trainer: the model was sharded at load time by transformers "
+                "(from_pretrained(distributed_config=...)); load it without it (or with "
+                "zero3.hf.sharded_from_pretrained) so zero3 shards it"
+            )
         state = try_sharded_state(model)
         if state is not None:
             if self._zero3_source is not None:
