@@ -120,7 +120,8 @@ def main() -> None:
         print(f"held-out loss {loss:.3f} (perplexity {math.exp(loss):.2f}); saved {final}")
         reloaded = GPT2LMHeadModel.from_pretrained(final)
         prompt = torch.tensor([[index[c] for c in "ROMEO:"]])
-        out = reloaded.generate(prompt, max_new_tokens=80, do_sample=False, pad_token_id=0)
+        room = min(200, a.seq_len - prompt.shape[1])  # positions the model has
+        out = reloaded.generate(prompt, max_new_tokens=room, do_sample=False, pad_token_id=0)
         print("--- sample ---\n" + "".join(chars[i] for i in out[0].tolist()))
 
 
