@@ -121,7 +121,9 @@ def main() -> None:
         reloaded = GPT2LMHeadModel.from_pretrained(final)
         prompt = torch.tensor([[index[c] for c in "ROMEO:"]])
         room = min(200, a.seq_len - prompt.shape[1])  # positions the model has
-        out = reloaded.generate(prompt, max_new_tokens=room, do_sample=False, pad_token_id=0)
+        torch.manual_seed(0)
+        out = reloaded.generate(prompt, max_new_tokens=room, do_sample=True, temperature=0.8,
+                                top_k=0, pad_token_id=0)  # fmt: skip
         print("--- sample ---\n" + "".join(chars[i] for i in out[0].tolist()))
 
 
