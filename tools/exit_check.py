@@ -14,7 +14,8 @@ Built-in scripts (``tools/_exit/``): ``plain`` is a plain torch.distributed gloo
 (a few waited-for async collectives, no ``destroy_process_group()``); ``zero3`` shards a
 small model, trains five steps and ends with no cleanup call. ``plain-inflight`` and
 ``zero3-inflight`` end with asynchronous all-reduces never waited for (through
-torch.distributed, and through zero3.comm). Any other name is a path.
+torch.distributed, and through zero3.comm); ``plain-cleanup`` is ``plain-inflight``
+with the cleanup docs/troubleshooting.rst recommends. Any other name is a path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ BUILTIN = {
     "zero3": HERE / "_exit" / "zero3_user.py",
     "plain-inflight": HERE / "_exit" / "plain_inflight.py",
     "zero3-inflight": HERE / "_exit" / "zero3_inflight.py",
+    "plain-cleanup": HERE / "_exit" / "plain_cleanup.py",
 }
 ABORT = "terminate called"
 

@@ -95,7 +95,7 @@ def _import_before_init() -> None:
         those defaults for good: ``destroy_process_group()`` then unregisters the group
         but never frees it, so its gloo worker threads live on into interpreter
         finalization, where they can abort the process (see
-        :mod:`zero3.comm._teardown`). Imported first, the defaults are None. The import
+        ``zero3.comm._teardown``). Imported first, the defaults are None. The import
         costs about 20 ms.
     """
     with contextlib.suppress(ImportError):  # a torch build without it has nothing to fix
@@ -110,7 +110,7 @@ class TorchWork(Work):
         the collective is known to be complete, so nothing zero3 holds keeps a finished
         collective's buffers alive. Until then the work is also listed in its backend's
         ``pending`` table, which the exit handler uses to wait for collectives nobody
-        waited for (see :mod:`zero3.comm._teardown`).
+        waited for (see ``zero3.comm._teardown``).
     """
 
     def __init__(
@@ -203,7 +203,7 @@ class TorchDistBackend(CommBackend):
     ``init_method``/``rank``/``world_size``. With none of those, it makes a world of
     one process so single-process scripts run unchanged. A group created here is
     destroyed by :meth:`close`, or at interpreter exit if the program never closed the
-    backend (:mod:`zero3.comm._teardown` explains why that matters for gloo).
+    backend (``zero3.comm._teardown`` explains why that matters for gloo).
 
     Note:
         Every collective is issued with ``async_op=True``. On CPU the host waits with the
