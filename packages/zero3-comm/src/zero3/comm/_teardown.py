@@ -63,7 +63,7 @@ EXIT_WAIT_S = 10.0
 
 
 class ExitParticipant(Protocol):
-    """A backend the exit handler settles and closes (see :class:`TorchDistBackend`)."""
+    """A backend the exit handler settles and closes (``TorchDistBackend``)."""
 
     def settle(self, deadline: float) -> bool:
         """Wait until ``deadline`` (``time.monotonic()``) for this backend's outstanding
@@ -129,23 +129,22 @@ def zero3_groups() -> list[dist.ProcessGroup]:
         return first + list(_Created.groups)
 
 
-def _destroy(group: dist.ProcessGroup | None) -> bool:
-    """Destroy ``group`` (None: the default group and with it every group); False if
-    it was already destroyed.
-    """
+def _destroy(group: dist.ProcessGroup | None) -> None:
+    """Destroy ``group`` (None: the default group, and with it every group)."""
     if group is None and not dist.is_initialized():
-        return False
+        return
     try:
         dist.destroy_process_group(group)
     except ValueError:  # "Invalid process group specified": destroyed already
-        return False
-    return True
+        pass
+    except Exception as exc:  # one group that fails to go must not keep the others
+        _log.warning("zero3.comm: destroying a process group at exit failed: %r", exc)
 
 
 def release_at_exit(wait_s: float | None = None) -> None:
     """Settle and close zero3's backends and destroy the groups zero3 created.
 
-    Registered with :mod:`atexit`; safe to call earlier (then every zero3 backend is
+    Registered with ``atexit``; safe to call earlier (then every zero3 backend is
     closed). See the module note.
 
     Args:
