@@ -95,13 +95,21 @@ def _release_destroys_zero3_groups() -> dict[str, object]:
 
     from zero3.comm import _teardown
 
-    _teardown.release_at_exit(wait_s=0.0)  # close what earlier cases in this worker left
+    # Close what earlier cases in this worker left, and free their garbage first, so that
+    # no group of theirs goes away while this case counts threads.
+    gc.collect()
+    _teardown.release_at_exit(wait_s=0.0)
+    gc.collect()
     before = gloo_workers()
     comm = GlooBackend(timeout_s=30)  # on the harness's group
     twin = comm.duplicate()  # a group zero3 creates
     created = twin.process_group
     assert created is not None and any(g is created for g in _teardown.zero3_groups())
-    assert len(gloo_workers()) > len(before)
+    # Each gloo group starts two worker threads, which name themselves once they run.
+    deadline = time.monotonic() + 30
+    while len(gloo_workers()) < len(before) + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(gloo_workers()) == len(before) + 2
     rank = comm.rank
 
     # A waited-for collective keeps no reference to its tensors.
@@ -134,6 +142,7 @@ def _release_destroys_zero3_groups() -> dict[str, object]:
         destroyed_already = True
     forgotten = not any(g is created for g in _teardown.zero3_groups())
     del created  # the last reference: the group's destructor ends its threads now
+    gc.collect()
     after = gloo_workers()
     users = torch.ones(1)
     dist.all_reduce(users)  # the harness's group still works
