@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", os.environ.get("PMI_RANK", "?"))
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         code = 2
-    launch.leave_rank(code)  # see its Note: gloo teardown can abort a finished rank
+    return code
 
 
 def _preflight(args: object, nproc: int) -> None:
