@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 CHILD_FLAG = "ZERO3_TRAIN_CHILD"
-_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
 def usable_cores() -> int:
@@ -20,16 +19,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def launched_by_torch() -> bool:
-    """torchrun (or our own launcher) set the rendezvous variables."""
-    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def launched_by_mpi() -> bool:
-    """mpiexec started this process."""
-    return any(v in os.environ for v in _MPI_RANK_VARS)
 
 
 def bootstrap_torch_env_from_mpi() -> None:

@@ -19,10 +19,9 @@ import torch.distributed as dist
 
 from zero3.comm import _teardown
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
+from zero3.comm._launch import TORCH_LAUNCH_VARS, launched_by_mpi, launched_by_torch
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
-    FLOAT_DTYPES,
-    INT_DTYPES,
     Capabilities,
     CommError,
     CommTimeoutError,
@@ -30,11 +29,11 @@ from zero3.comm._types import (
 )
 from zero3.comm._work import ThenWork, Work
 
-__all__ = ["GlooBackend", "TorchDistBackend", "TorchWork", "launcher_env_present"]
+__all__ = ["GlooBackend", "TorchDistBackend", "TorchWork"]
 
 _log = logging.getLogger(__name__)
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARS = TORCH_LAUNCH_VARS
 
 # A backend looks for finished works among its pending ones once this many are listed
 # (works nobody waits for would otherwise stay listed, buffers and all, until exit).
@@ -56,14 +55,6 @@ _reduce_scatter_flat: Callable[..., Any] = getattr(
 )
 
 
-def launcher_env_present() -> bool:
-    """Return True if a torch launcher (torchrun, the test harness...) set the rendezvous env."""
-    return all(v in os.environ for v in _LAUNCH_VARS)
-
-
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-
-
 def _refuse_partial_launch(backend: str) -> None:
     """A launcher ran this process, but not with torch's rendezvous variables: a world of
     one here would silently train N separate models, so say what is missing instead.
@@ -74,7 +65,7 @@ def _refuse_partial_launch(backend: str) -> None:
             f"zero3.comm {backend}: the rendezvous environment is incomplete (missing "
             f"{', '.join(missing)}); torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-    if any(v in os.environ for v in _MPI_LAUNCH_VARS):
+    if launched_by_mpi():
         raise ValueError(
             f"zero3.comm {backend}: this process was started by mpiexec but "
             f"{', '.join(missing)} are not set, so the ranks cannot meet over "
@@ -280,7 +271,7 @@ class TorchDistBackend(CommBackend):
                     f"(got rank={rank}, world_size={world_size})"
                 )
             kwargs.update(init_method=init_method or "env://", rank=rank, world_size=world_size)
-        elif launcher_env_present():
+        elif launched_by_torch():
             kwargs.update(init_method="env://")
         else:
             _refuse_partial_launch(self.name)
@@ -314,20 +305,39 @@ class TorchDistBackend(CommBackend):
             collective over the world) and may be destroyed by :meth:`close`; a duplicate
             of a subgroup keeps the local name and lives until the world is destroyed.
         """
+        group, whole_world = self._new_group(self.dist_backend)
+        twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
+        twin._owns_subgroup = whole_world
+        return twin
+
+    def _new_group(self, backend: str) -> tuple[dist.ProcessGroup, bool]:
+        """A new group over this backend's ranks (see :meth:`duplicate`'s Note)."""
         ranks = dist.get_process_group_ranks(self.group)
         whole_world = len(ranks) == dist.get_world_size()
         group = dist.new_group(
             ranks=ranks,
             timeout=datetime.timedelta(seconds=self.timeout_s),
-            backend=self.dist_backend,
+            backend=backend,
             use_local_synchronization=not whole_world,
         )
         # Recorded either way: at exit the program is over, so even a local-name group
         # can be destroyed (nothing will make it again).
         _teardown.created_group(group)
-        twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
-        twin._owns_subgroup = whole_world
-        return twin
+        return group, whole_world
+
+    def host_channel(self) -> CommBackend | None:
+        """A gloo group over the same ranks: a duplicate for gloo itself, a gloo group
+        beside the device group for NCCL and HCCL (host tensors never wait for a device
+        stream). None where this torch build has no gloo.
+        """
+        if self.device_type == "cpu":
+            return super().host_channel()
+        if not dist.is_gloo_available():
+            return None
+        group, whole_world = self._new_group("gloo")
+        channel = GlooBackend(group=group, timeout_s=self.timeout_s)
+        channel._owns_subgroup = whole_world
+        return channel
 
     def _options(self) -> dict[str, Any]:
         """Constructor options a duplicate must repeat (subclasses extend it)."""
@@ -484,12 +494,7 @@ class GlooBackend(TorchDistBackend):
     name = "gloo"
     device_type = "cpu"
     dist_backend = "gloo"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     def __init__(
         self,
