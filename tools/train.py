@@ -28,7 +28,7 @@ from _train.data import CharCorpus
 from _train.model import GPT, GPTConfig, sample
 from _train.settings import Settings, lr_lambda, parser, settings_from
 
-from zero3.comm import CommBackend, ReduceOp, create_backend
+from zero3.comm import CommBackend, ReduceOp, create_backend, launched_by_mpi, launched_by_torch
 from zero3.core import CheckpointError, CheckpointReader, Tracer, gathered_parameters, sharded_state
 from zero3.hooks import shard_module, stats
 from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
@@ -37,7 +37,7 @@ from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, then launch ranks or act as one."""
     args = parser().parse_args(argv)
-    if not (launch.launched_by_torch() or launch.launched_by_mpi()):
+    if not (launched_by_torch() or launched_by_mpi()):
         nproc = args.nproc or min(4, launch.usable_cores())
         if nproc < 1:
             parser().error(f"--nproc must be >= 1, got {nproc}")
@@ -48,11 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"zero3: launching {nproc} local ranks (torchrun-style env, gloo rendezvous)")
         return launch.self_launch(nproc, [str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
-    if (
-        launch.launched_by_mpi()
-        and not launch.launched_by_torch()
-        and args.backend not in ("auto", "mpi")
-    ):
+    if launched_by_mpi() and not launched_by_torch() and args.backend not in ("auto", "mpi"):
         launch.bootstrap_torch_env_from_mpi()
     try:
         code = train(args)
@@ -60,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", os.environ.get("PMI_RANK", "?"))
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         code = 2
-    launch.leave_rank(code)  # see its Note: gloo teardown can abort a finished rank
+    return code
 
 
 def _preflight(args: object, nproc: int) -> None:

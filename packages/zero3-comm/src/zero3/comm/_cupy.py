@@ -299,12 +299,7 @@ class CupyNCCLBackend(CommBackend):
 
     name = "cupy-nccl"
     device_type = "cuda"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     def __init__(
         self,
@@ -334,12 +329,7 @@ class CupyNCCLBackend(CommBackend):
         dtypes = FLOAT_DTYPES | INT_DTYPES
         if self._bf16 is None:
             dtypes = dtypes - {torch.bfloat16}
-        self.capabilities = Capabilities(
-            native_reduce_scatter=True,
-            reduce_dtypes=dtypes,
-            needs_progress_helper=False,
-            async_host=True,
-        )
+        self.capabilities = Capabilities(reduce_dtypes=dtypes)
         with self._cupy.cuda.Device(self._index):
             self._comm: Any = self._nccl.NcclCommunicator(world_size, unique_id, rank)
             self._stream: Any = self._cupy.cuda.Stream(non_blocking=True)

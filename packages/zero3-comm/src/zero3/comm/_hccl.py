@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from zero3.comm._registry import local_device_index
 from zero3.comm._torch_dist import TorchDistBackend
-from zero3.comm._types import FLOAT_DTYPES, INT_DTYPES, BackendUnavailableError, Capabilities
+from zero3.comm._types import BackendUnavailableError, Capabilities
 
 __all__ = ["HCCLBackend", "import_torch_npu"]
 
@@ -61,12 +61,7 @@ class HCCLBackend(TorchDistBackend):
     name = "hccl"
     device_type = "npu"
     dist_backend = "hccl"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

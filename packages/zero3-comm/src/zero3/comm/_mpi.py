@@ -24,7 +24,6 @@ from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
     FLOAT_DTYPES,
-    INT_DTYPES,
     Capabilities,
     CommError,
     CommTimeoutError,
@@ -434,12 +433,7 @@ class MPIBackend(CommBackend):
 
     name = "mpi"
     device_type = "cpu"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=True,
-        async_host=True,
-    )
+    capabilities = Capabilities(needs_progress_helper=True)
     #: Sleep between two polls of the progress thread while requests are outstanding.
     progress_interval_s: ClassVar[float] = 50e-6
 

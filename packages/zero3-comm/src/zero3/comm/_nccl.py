@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from zero3.comm._registry import local_device_index
 from zero3.comm._torch_dist import TorchDistBackend
-from zero3.comm._types import FLOAT_DTYPES, INT_DTYPES, BackendUnavailableError, Capabilities
+from zero3.comm._types import BackendUnavailableError, Capabilities
 
 __all__ = ["NCCLBackend"]
 
@@ -34,12 +34,7 @@ class NCCLBackend(TorchDistBackend):
     name = "nccl"
     device_type = "cuda"
     dist_backend = "nccl"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm._backend import CommBackend
+from zero3.comm._launch import launched_by_mpi
 from zero3.comm._types import BackendUnavailableError, UnknownBackendError
 
 __all__ = [
@@ -42,7 +43,6 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 hookspec = pluggy.HookspecMarker(PROJECT)
 
 _DEFAULT_BY_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 #: Where launchers put a process's rank *on its node*, most specific first: torchrun (and
 #: zero3's own launchers), Open MPI, MPICH's hydra, Slurm's srun.
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
@@ -245,7 +245,7 @@ def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
         return str(chosen)
     if device_type == "cpu" and not dist.is_initialized():
         # Under mpiexec with no torch launcher variables, MPI is the only rendezvous.
-        under_mpi = any(v in os.environ for v in _MPI_LAUNCH_VARS)
+        under_mpi = launched_by_mpi()
         has_torch_env = all(v in os.environ for v in ("MASTER_ADDR", "MASTER_PORT"))
         mpi_ok = "mpi" in registry.names() and registry.get("mpi").is_available()
         if under_mpi and not has_torch_env and mpi_ok:
