@@ -180,3 +180,21 @@ def test_the_trainers_optimizer_choice_and_groups_are_kept(tmp_path):
     named = [n for n, _ in trainer.model.named_parameters()]  # tied weights once
     assert len(inner.param_groups[0]["params"]) == len([n for n in named if n in decay])
     assert trainer.model_wrapped is trainer.model
+
+
+def test_save_only_model_checkpoints_are_loadable_weights(tmp_path):
+    trainer = Zero3Trainer(
+        model=build_hf("gpt2"),
+        args=_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=2,
+                   save_strategy="steps", save_only_model=True, load_best_model_at_end=True,
+                   metric_for_best_model="eval_loss"),  # fmt: skip
+        train_dataset=_data(),
+        eval_dataset=_data(8),
+    )
+    trainer.train()  # reloads the best checkpoint's consolidated weights at the end
+    best = Path(trainer.state.best_model_checkpoint)
+    assert {"model.safetensors", "config.json"} <= {p.name for p in best.iterdir()}
+    assert not (best / "zero3").exists()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric, rel=1e-6)
+    with pytest.raises(ValueError, match="no zero3 checkpoint in"):
+        trainer.train(resume_from_checkpoint=str(best))
