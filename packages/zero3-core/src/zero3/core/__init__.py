@@ -12,6 +12,7 @@ from zero3.core._coordinator import ParamCoordinator
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._reducer import GradReducer
+from zero3.core._sources import SafetensorsSource, WeightSource, open_weight_source
 from zero3.core._state import ShardedModelState, sharded_state
 from zero3.core._stats import StepStats
 from zero3.core._trace import TraceState
@@ -23,16 +24,19 @@ __all__ = [
     "GradReducer",
     "ParamCoordinator",
     "ParamStatus",
+    "SafetensorsSource",
     "ShardedModelState",
     "ShardedParam",
     "StepStats",
     "TraceState",
     "Tracer",
+    "WeightSource",
     "Zero3Config",
     "full_grad",
     "gathered_parameters",
     "local_grad",
     "local_shard",
+    "open_weight_source",
     "register_external_parameter",
     "sharded_state",
 ]

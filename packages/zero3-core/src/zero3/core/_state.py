@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -14,6 +14,14 @@ from zero3.comm import CommBackend
 from zero3.core import _params
 from zero3.core._config import LeafTarget, Zero3Config
 from zero3.core._coordinator import ParamCoordinator
+from zero3.core._materialize import (
+    Checkpoint,
+    Materializer,
+    ParamInitFn,
+    broadcast_from_rank0,
+    is_persistent,
+    own_storage,
+)
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
@@ -30,7 +38,6 @@ _LEAF_MARKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _PENDING_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = (
     weakref.WeakKeyDictionary()
 )
-_SYNC_CHUNK = 1 << 26  # elements per broadcast when syncing rank 0's weights
 
 
 def _class_names(module: nn.Module) -> set[str]:
@@ -86,8 +93,23 @@ class ShardedModelState:
     # -- creation ---------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, module: nn.Module, config: Zero3Config, comm: CommBackend) -> ShardedModelState:
-        """Partition ``module``'s parameters across ``comm``'s ranks."""
+    def create(
+        cls,
+        module: nn.Module,
+        config: Zero3Config,
+        comm: CommBackend,
+        *,
+        param_init_fn: ParamInitFn | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> ShardedModelState:
+        """Partition ``module``'s parameters across ``comm``'s ranks.
+
+        Parameters on the meta device are built straight into this rank's shards, one
+        module at a time: read from ``checkpoint`` (a path or a
+        :class:`~zero3.core.WeightSource`; then every parameter is loaded from it), or
+        initialised by ``param_init_fn(module)`` / the modules' ``reset_parameters()``.
+        See ``zero3.hooks.shard_module`` for the rules.
+        """
         if module in _STATES:
             raise ValueError(
                 f"{type(module).__name__} is already sharded; call zero3.hooks.unshard_module "
@@ -100,23 +122,34 @@ class ShardedModelState:
                     "sharded model; a parameter can be sharded once (unshard the other model)"
                 )
         state = cls(module, config, comm)
-        state._partition()
+        state._partition(param_init_fn, checkpoint)
         _STATES[module] = state
         return state
 
-    def _partition(self) -> None:
+    def _partition(self, param_init_fn: ParamInitFn | None, checkpoint: Checkpoint | None) -> None:
         named = list(self.module.named_parameters())
+        builder = Materializer(
+            self.module,
+            named,
+            self.config,
+            self.comm,
+            param_init_fn=param_init_fn,
+            checkpoint=checkpoint,
+        )
+        builder.prepare()  # every check, agreed by every rank, before anything changes
+        eager = [p for i, (_, p) in enumerate(named) if i not in builder.handled]
         with torch.no_grad():
-            for _, param in named:
+            for param in eager:
                 if self.config.param_dtype is not None and param.dtype != self.config.param_dtype:
                     param.data = param.data.to(self.config.param_dtype)
-                _own_storage(param)
+                own_storage(param)
                 param.grad = None
             if self.config.sync_module_states and self.comm.world_size > 1:
-                tensors = [p.data for _, p in named] + [b for b in self.module.buffers()]
-                _broadcast_from_rank0(self.comm, tensors)
+                tensors = [p.data for p in eager] + builder.eager_buffers()
+                broadcast_from_rank0(self.comm, tensors)
+            shards = builder.run()
             for index, (name, param) in enumerate(named):
-                self.params.append(self._shard(index, name, param))
+                self.params.append(self._shard(index, name, param, shards.get(index)))
         by_param = {id(sp.param): sp for sp in self.params}
         direct: list[list[ShardedParam]] = []
         for mod_name, mod in self.modules:
@@ -141,17 +174,24 @@ class ShardedModelState:
         )
         self.reducer.defer_launches = self.grad_comm is self.comm
 
-    def _shard(self, index: int, name: str, param: nn.Parameter) -> ShardedParam:
+    def _shard(
+        self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
+    ) -> ShardedParam:
+        """Record one parameter's partition. ``shard``: this rank's shard, already cut
+        (the materializer's; the parameter then holds no bytes).
+        """
         world, rank = self.comm.world_size, self.comm.rank
         numel = param.numel()
         shard_numel = -(-numel // world)
-        flat = param.detach().reshape(-1)
-        if world == 1:
+        if shard is not None:
+            pass  # cut by the materializer
+        elif world == 1:
             # Note: a world of one has nothing to shard. The "shard" is the parameter's
             # own data and the parameter stays whole (persistent): no gathers, and the
             # optimizer steps the parameter in place, so a single process pays nothing.
-            shard = flat
+            shard = param.detach().reshape(-1)
         else:
+            flat = param.detach().reshape(-1)
             start = min(rank * shard_numel, numel)
             stop = min(start + shard_numel, numel)
             shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
@@ -164,7 +204,7 @@ class ShardedModelState:
             numel=numel,
             shard_numel=shard_numel,
             shard=shard,
-            persistent=world == 1 or numel <= self.config.param_persistence_threshold,
+            persistent=is_persistent(numel, world, self.config),
             rank=rank,
             world_size=world,
             aliases_param=world == 1,
@@ -276,39 +316,6 @@ def _duplicate(comm: CommBackend) -> CommBackend:
             type(comm).__name__,
         )
         return comm
-
-
-def _own_storage(param: nn.Parameter) -> None:
-    """Give ``param`` a contiguous storage of its own (needed to free it in place)."""
-    exact = param.numel() * param.element_size()
-    if (
-        not param.is_contiguous()
-        or param.storage_offset() != 0
-        or param.untyped_storage().nbytes() != exact
-    ):
-        param.data = param.data.clone(memory_format=torch.contiguous_format)
-
-
-def _broadcast_from_rank0(comm: CommBackend, tensors: Iterable[torch.Tensor]) -> None:
-    """Make every rank hold rank 0's values (coalesced per dtype)."""
-    by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_key.setdefault((t.dtype, t.device), []).append(t)
-    for group in by_key.values():
-        batches: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for t in group:
-            if batches[-1] and size + t.numel() > _SYNC_CHUNK:
-                batches.append([])
-                size = 0
-            batches[-1].append(t)
-            size += t.numel()
-        for batch in batches:
-            flat = torch.cat([b.reshape(-1) for b in batch])
-            comm.broadcast(flat, src=0).wait()
-            for b, part in zip(batch, flat.split([b.numel() for b in batch]), strict=True):
-                b.copy_(part.view_as(b))
 
 
 def try_sharded_state(module: nn.Module) -> ShardedModelState | None:

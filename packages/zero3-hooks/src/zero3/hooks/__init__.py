@@ -10,6 +10,7 @@ Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inferenc
         logits = model(tokens)
 """
 
+from zero3.hooks._empty import empty_init
 from zero3.hooks._shard import (
     ShardedModule,
     set_leaf_modules,
@@ -22,6 +23,7 @@ from zero3.hooks._state_dict import LoadResult, full_state_dict, load_full_state
 __all__ = [
     "LoadResult",
     "ShardedModule",
+    "empty_init",
     "full_state_dict",
     "load_full_state_dict",
     "set_leaf_modules",

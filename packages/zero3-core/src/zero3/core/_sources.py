@@ -1,0 +1,265 @@
+"""Weight sources: where ``shard_module(checkpoint=...)`` reads each rank's slices from.
+
+Note (reading one rank's slice, not the tensor):
+    A rank owns the flat element range ``[start, stop)`` of every parameter (the
+    row-major flattening, split into N equal parts). In an N-d tensor that range is not
+    a box, but it is a few of them: a partial first row, a block of whole rows, a partial
+    last row, each partial row again split the same way one dimension down
+    (:func:`flat_boxes`; at most ``2·ndim - 1`` boxes). safetensors' ``get_slice`` reads
+    a box straight from the memory-mapped file, so a rank touches only the pages of its
+    own elements: never a whole tensor it does not own, never a whole file. The mapped
+    pages count in the process's resident set while a tensor refers to them, so the
+    reader hands back a 1-D tensor the caller copies into its shard and drops at once.
+
+Formats are opened by :func:`open_weight_source`, which tries the entries of
+:data:`WEIGHT_FORMATS` in order: add one there to teach ``checkpoint=`` a new layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "WEIGHT_FORMATS",
+    "SafetensorsSource",
+    "WeightFormat",
+    "WeightSource",
+    "flat_boxes",
+    "open_weight_source",
+]
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What ``shard_module(checkpoint=...)`` reads weights from.
+
+    Keys are the unsharded model's ``state_dict()`` keys. Implementations: the
+    safetensors reader (:class:`SafetensorsSource`) and zero3's own sharded
+    checkpoints; any object with these four methods works.
+    """
+
+    def describe(self) -> str:
+        """Where the weights come from (a path), for messages."""
+        ...
+
+    def entries(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every stored tensor: ``state_dict`` key -> (full shape, stored dtype)."""
+        ...
+
+    def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the row-major flattened tensor ``key``.
+
+        A 1-D tensor in the stored dtype, read without reading the rest of the tensor.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds open."""
+        ...
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[slice, ...]]:
+    """The boxes (one slice per dimension) whose row-major concatenation is the flat
+    range ``[start, stop)`` of a tensor of ``shape``.
+
+    Example: in a ``(4, 10)`` tensor, ``[7, 33)`` is row 0 columns 7..9, rows 1..2 whole,
+    and row 3 columns 0..2 — three boxes.
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [()]
+    inner = math.prod(shape[1:])
+    first, col0 = divmod(start, inner)
+    last, col1 = divmod(stop, inner)
+    if first == last:  # inside one row: split that row one dimension down
+        return [(slice(first, first + 1), *box) for box in flat_boxes(shape[1:], col0, col1)]
+    boxes: list[tuple[slice, ...]] = []
+    if col0:
+        boxes += [(slice(first, first + 1), *b) for b in flat_boxes(shape[1:], col0, inner)]
+        first += 1
+    if last > first:
+        boxes.append((slice(first, last), *(slice(0, d) for d in shape[1:])))
+    if col1:
+        boxes += [(slice(last, last + 1), *b) for b in flat_boxes(shape[1:], 0, col1)]
+    return boxes
+
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SafetensorsSource:
+    """safetensors weights: one file, or the transformers layout (``model.safetensors``,
+    or ``model.safetensors.index.json`` naming several files).
+
+    Opening reads only the files' headers. :meth:`read_flat` opens the file holding the
+    key and reads the boxes of the range with ``get_slice`` (see the module Note).
+
+    Args:
+        path: A ``.safetensors`` file, or a directory in the transformers layout.
+
+    Raises:
+        FileNotFoundError: A file the index names is missing.
+        ValueError: The index is malformed, or a tensor has a dtype torch cannot hold.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._entries: dict[str, _Entry] = {}
+        for file in self._files():
+            self._read_header(file)
+
+    def _files(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f"{index}: not a safetensors index (expected a JSON object with a "
+                    f"'weight_map' of key -> file): {exc}"
+                ) from exc
+            files = sorted({self.path / name for name in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} names files that do not exist: {missing}")
+            return files
+        return [self.path / SINGLE_FILE]
+
+    def _read_header(self, file: Path) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not iterable
+                view = handle.get_slice(key)
+                stored = view.get_dtype()
+                dtype = _SAFETENSORS_DTYPES.get(stored)
+                if dtype is None:
+                    raise ValueError(
+                        f"{file}: tensor {key!r} has safetensors dtype {stored}, which torch "
+                        f"cannot hold here (known: {sorted(_SAFETENSORS_DTYPES)})"
+                    )
+                if key in self._entries:
+                    raise ValueError(
+                        f"{self.path}: tensor {key!r} is stored twice "
+                        f"({self._entries[key].file.name} and {file.name})"
+                    )
+                self._entries[key] = _Entry(file, tuple(view.get_shape()), dtype)
+
+    def describe(self) -> str:
+        """The path this source reads."""
+        return str(self.path)
+
+    def entries(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every stored tensor: key -> (shape, stored dtype)."""
+        return {key: (e.shape, e.dtype) for key, e in self._entries.items()}
+
+    def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``key``, flattened row-major (stored dtype)."""
+        from safetensors import safe_open
+
+        entry = self._entries[key]
+        numel = math.prod(entry.shape)
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(
+                f"{self.path}: range [{start}, {stop}) is outside tensor {key!r} of "
+                f"{numel} elements"
+            )
+        if start == stop:
+            return torch.empty(0, dtype=entry.dtype)
+        with safe_open(str(entry.file), framework="pt") as handle:
+            if not entry.shape:
+                return handle.get_tensor(key).reshape(-1)
+            view = handle.get_slice(key)
+            pieces = [view[box].reshape(-1) for box in flat_boxes(entry.shape, start, stop)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def close(self) -> None:
+        """Nothing stays open between reads."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """One layout ``checkpoint=`` understands.
+
+    Attributes:
+        name: What the layout is called in messages.
+        detect: Whether a path holds this layout (cheap: looks at names only).
+        open: Opens such a path as a :class:`WeightSource`.
+        expects: What a path of this layout looks like (for the error message).
+    """
+
+    name: str
+    detect: Callable[[Path], bool]
+    open: Callable[[Path], WeightSource]
+    expects: str
+
+
+def _is_safetensors(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix == ".safetensors"
+    return (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+
+
+#: The layouts :func:`open_weight_source` tries, in order.
+WEIGHT_FORMATS: list[WeightFormat] = [
+    WeightFormat(
+        name="safetensors",
+        detect=_is_safetensors,
+        open=SafetensorsSource,
+        expects=(
+            f"a .safetensors file, or a directory holding {SINGLE_FILE} or {INDEX_FILE} "
+            "with its files (what transformers' save_pretrained writes)"
+        ),
+    ),
+]
+
+
+def open_weight_source(path: str | os.PathLike[str]) -> WeightSource:
+    """Open a ``checkpoint=`` path as a :class:`WeightSource` (format by what it holds).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` holds none of the known layouts.
+    """
+    where = Path(path)
+    if not where.exists():
+        raise FileNotFoundError(f"checkpoint={str(path)!r}: no such file or directory")
+    for fmt in WEIGHT_FORMATS:
+        if fmt.detect(where):
+            return fmt.open(where)
+    kinds = "; ".join(f"{fmt.name}: {fmt.expects}" for fmt in WEIGHT_FORMATS)
+    raise ValueError(f"checkpoint={str(path)!r} holds no weights zero3 can read. Expected {kinds}")
