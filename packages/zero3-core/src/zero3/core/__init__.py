@@ -10,6 +10,12 @@ from zero3.core._buckets import GradBucket
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._gather import FingerprintMismatchError
+from zero3.core._memory import (
+    MemoryStats,
+    ModelStatesEstimate,
+    estimate_model_states,
+    memory_stats,
+)
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._reducer import GradReducer
 from zero3.core._sources import SafetensorsSource, WeightSource, open_weight_source
@@ -22,6 +28,8 @@ __all__ = [
     "FingerprintMismatchError",
     "GradBucket",
     "GradReducer",
+    "MemoryStats",
+    "ModelStatesEstimate",
     "ParamCoordinator",
     "ParamStatus",
     "SafetensorsSource",
@@ -32,10 +40,12 @@ __all__ = [
     "Tracer",
     "WeightSource",
     "Zero3Config",
+    "estimate_model_states",
     "full_grad",
     "gathered_parameters",
     "local_grad",
     "local_shard",
+    "memory_stats",
     "open_weight_source",
     "register_external_parameter",
     "sharded_state",

@@ -250,16 +250,17 @@ def _real_tensors_on_meta(module: nn.Module) -> Iterator[None]:
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     stand_ins: dict[int, torch.Tensor] = {}
     for mod in module.modules():
-        for table in (mod._parameters, mod._buffers):
+        tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+        for table in tables:
             for name, t in table.items():
                 if t is None or t.is_meta:
                     continue
                 stand = stand_ins.get(id(t))
                 if stand is None:
-                    stand = torch.empty_like(t, device="meta")
+                    empty = torch.empty_like(t, device="meta")
                     if isinstance(t, nn.Parameter):
-                        stand = nn.Parameter(stand, requires_grad=t.requires_grad)
-                    stand_ins[id(t)] = stand
+                        empty = nn.Parameter(empty, requires_grad=t.requires_grad)
+                    stand = stand_ins[id(t)] = empty
                 saved.append((table, name, t))
                 table[name] = stand
     try:
@@ -464,7 +465,10 @@ class Materializer:
         entries = source.entries()
         expected: set[str] = set()
         missing, shapes = [], []
-        for item in [*self._targets, *(b for b in self._buffers if b.persistent)]:
+        wanted: list[_Target | _Buffer] = [*self._targets, *self._buffers]
+        for item in wanted:
+            if isinstance(item, _Buffer) and not item.persistent:
+                continue
             expected.update(item.names)
             present = [n for n in item.names if n in entries]
             if not present:

@@ -202,7 +202,8 @@ class SafetensorsSource:
             return torch.empty(0, dtype=entry.dtype)
         with safe_open(str(entry.file), framework="pt") as handle:
             if not entry.shape:
-                return handle.get_tensor(key).reshape(-1)
+                scalar: torch.Tensor = handle.get_tensor(key)
+                return scalar.reshape(-1)
             view = handle.get_slice(key)
             pieces = [view[box].reshape(-1) for box in flat_boxes(entry.shape, start, stop)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -13,6 +13,7 @@ Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inferenc
 from zero3.hooks._empty import empty_init
 from zero3.hooks._shard import (
     ShardedModule,
+    memory_stats,
     set_leaf_modules,
     shard_module,
     stats,
@@ -26,6 +27,7 @@ __all__ = [
     "empty_init",
     "full_state_dict",
     "load_full_state_dict",
+    "memory_stats",
     "set_leaf_modules",
     "shard_module",
     "stats",

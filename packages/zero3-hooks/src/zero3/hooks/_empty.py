@@ -49,7 +49,9 @@ def empty_init() -> Iterator[None]:
         which costs nothing and draws no random numbers. Inside the block every module
         class is affected, in every thread.
     """
-    handle = register_module_parameter_registration_hook(_to_meta)
+    # torch's stub types the hook as returning None; a returned parameter replaces the
+    # registered one (documented behaviour of the registration hooks).
+    handle = register_module_parameter_registration_hook(_to_meta)  # type: ignore[arg-type]
     try:
         yield
     finally:

@@ -6,10 +6,19 @@ import os
 import weakref
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from zero3.comm import CommBackend, create_backend
-from zero3.core import ShardedModelState, StepStats, WeightSource, Zero3Config, sharded_state
+from zero3.core import (
+    MemoryStats,
+    ShardedModelState,
+    StepStats,
+    WeightSource,
+    Zero3Config,
+    sharded_state,
+)
+from zero3.core import memory_stats as _core_memory_stats
 from zero3.core._config import LeafTarget
 from zero3.core._state import _matches, mark_leaf, try_sharded_state
 from zero3.hooks._hooks import ModelHooks, install_hooks
@@ -17,6 +26,7 @@ from zero3.hooks._state_dict import install_state_dict_guards
 
 __all__ = [
     "ShardedModule",
+    "memory_stats",
     "set_leaf_modules",
     "shard_module",
     "stats",
@@ -166,6 +176,19 @@ def unshard_module(module: nn.Module) -> nn.Module:
 def stats(module: nn.Module) -> StepStats:
     """The coordinator's counters for the last step of a sharded module."""
     return sharded_state(module).last_stats()
+
+
+def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
+    """Model-state bytes this rank holds against one unsharded process, and the peaks.
+
+    The sibling of :func:`stats` for memory: parameter shards, gradient shards, fp32
+    masters and optimizer state (pass the optimizer to count the last two), against what
+    one process would hold; the full parameters gathered now and at most since
+    sharding; the cached buffers; and the process's peak resident set. See
+    :class:`zero3.core.MemoryStats`; :func:`zero3.core.estimate_model_states` answers
+    before the model is built.
+    """
+    return _core_memory_stats(module, optimizer)
 
 
 def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
