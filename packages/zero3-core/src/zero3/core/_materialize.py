@@ -309,6 +309,15 @@ def _conversion_hint(module: nn.Module) -> str | None:
     return None
 
 
+def _replaced_message(name: str, mod: nn.Module, replaced: list[str]) -> str:
+    return (
+        f"  the initialiser of module {name or '<root>'!r} ({type(mod).__name__}) replaced "
+        f"parameter(s) {replaced} with new objects; initialise parameters in place "
+        "(torch.nn.init functions, copy_()) so the sharded parameter is the one the "
+        "model uses"
+    )
+
+
 def _range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
     """(shard_numel, start, stop) of ``rank``'s elements, as ``ShardedParam`` cuts them."""
     shard_numel = -(-numel // world)
@@ -380,6 +389,7 @@ class Materializer:
         self._post = _post_order(module)
         self._inits: dict[int, Callable[[], Any]] = {}
         self._sums: list[tuple[_Target, tuple[int, int]]] = []
+        self._problems: list[str] = []
 
     def _collect_buffers(self) -> list[_Buffer]:
         found: dict[int, _Buffer] = {}
@@ -523,8 +533,8 @@ class Materializer:
                     target.first = pos if target.first < 0 else target.first
                     target.last = pos
         lonely = [t for t in targets if t.first < 0]
-        if not lonely:
-            return []
+        if self._problems or not lonely:
+            return self._problems
         how = (
             "param_init_fn touched none of them"
             if self.param_init_fn is not None
@@ -546,6 +556,7 @@ class Materializer:
         self, name: str, mod: nn.Module, init: Callable[[], Any], watched: Mapping[int, _Target]
     ) -> set[int]:
         recorder = _TouchRecorder(watched)
+        before = [(m, dict(m._parameters)) for m in mod.modules()]
         try:
             with recorder:
                 init()
@@ -562,6 +573,13 @@ class Materializer:
                 len(subtree),
             )
             return subtree
+        finally:
+            for m, params in before:
+                replaced = [k for k, v in m._parameters.items() if params.get(k) is not v]
+                if replaced:
+                    self._problems.append(_replaced_message(name, mod, replaced))
+                    m._parameters.clear()
+                    m._parameters.update(params)
         return recorder.touched
 
     def eager_buffers(self) -> list[torch.Tensor]:
@@ -686,11 +704,7 @@ class Materializer:
             ) from exc
         replaced = [k for k, v in mod._parameters.items() if before.get(k) is not v]
         if replaced:
-            raise RuntimeError(
-                f"zero3: the initialiser of {what} replaced parameter(s) {replaced} with "
-                "new objects; initialise parameters in place (torch.nn.init functions, "
-                "copy_()) so the sharded parameter is the one the model uses"
-            )
+            raise RuntimeError("zero3: " + _replaced_message(name, mod, replaced).strip())
 
     def _finish(self, targets: list[_Target], shards: dict[int, torch.Tensor]) -> None:
         """Parameters whose last initialiser has run: sync or check them, cut the shards,
