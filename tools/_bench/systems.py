@@ -22,12 +22,8 @@ StepFn = Callable[[int], float]
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This process's peak resident set size (``ru_maxrss``, the kernel's VmHWM)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _adamw(params: Any, w: Workload) -> torch.optim.Optimizer:
@@ -86,12 +82,21 @@ def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     return _loop_step(model, opt, w, rank, world), _theory(_numel(model), world, 3, sharded=1.0)
 
 
-def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, dict[str, Any]]:
+def _zero3(
+    w: Workload, rank: int, world: int, *, eager_build: bool = False, **config: Any
+) -> tuple[StepFn, dict[str, Any]]:
+    """zero3; the model is built under ``empty_init`` (never whole on a rank) unless
+    ``eager_build``: then every rank builds it whole first, as before construct-time
+    sharding. Both give the same weights (``reset_parameters`` in construction order)."""
     from zero3.core import Zero3Config, sharded_state
-    from zero3.hooks import shard_module, stats
+    from zero3.hooks import empty_init, memory_stats, shard_module, stats
     from zero3.optim import PartitionedOptimizer
 
-    model = build(w)
+    if eager_build:
+        model = build(w)
+    else:
+        with empty_init():
+            model = build(w)
     shard_module(model, Zero3Config(backend="gloo", **config))
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
     step = _loop_step(model, opt, w, rank, world)
@@ -102,6 +107,7 @@ def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, d
 
     def info() -> dict[str, Any]:
         s = stats(model)
+        mem = memory_stats(model, opt)
         return {
             "sharded": sharded,
             "payload": (s.gather_payload_bytes + s.reduce_payload_bytes) * (world - 1) / world,
@@ -110,6 +116,10 @@ def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, d
             "gathers": s.gathers,
             "reductions": s.reduce_collectives,
             "hit_rate": s.prefetch_hit_rate,
+            "held": mem.held_bytes,
+            "unsharded": mem.unsharded_bytes,
+            "peak_gathered": mem.peak_gathered_bytes,
+            "pool": mem.pool_bytes,
         }
 
     return step, {"info": info}
@@ -150,6 +160,19 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
     "fsdp2": _fsdp2,
     "zero3": _zero3,
     "zero3-release": lambda w, r, n: _zero3(w, r, n, max_reuse_distance=0),
+    # Memory-lean: release on exit, prefetch one layer ahead, at most three layers live.
+    "zero3-lean": lambda w, r, n: _zero3(
+        w,
+        r,
+        n,
+        max_reuse_distance=0,
+        prefetch_bucket_size=w.layer_numel,
+        max_live_parameters=3 * w.layer_numel,
+    ),
+    "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),
+    "zero3-release-eager-build": lambda w, r, n: _zero3(
+        w, r, n, eager_build=True, max_reuse_distance=0
+    ),
     "deepspeed": _deepspeed,
 }
 
@@ -187,6 +210,9 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
             deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
         else:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    # The memory every system pays before its model exists (interpreter, torch, the
+    # process group): peak RSS growth from here is the system's own.
+    baseline = peak_rss_bytes()
     step_fn, info = lookup(system)(w, rank, world)
     times, losses, cpu, faults = [], [], [], []
     profiler = None
@@ -215,6 +241,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
         "cpu": cpu,
         "faults": faults,
         "rss": peak_rss_bytes(),
+        "baseline": baseline,
         **extra,
     }
     if dist.is_initialized():
@@ -227,6 +254,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     merged["times"] = [max(r["times"][i] for r in rows) for i in range(steps)]  # slowest rank
     merged["losses"] = [sum(r["losses"][i] for r in rows) / world for i in range(steps)]
     merged["rss"] = [r["rss"] for r in rows]
+    merged["baseline"] = [r["baseline"] for r in rows]
     merged["cpu"] = [sum(r["cpu"][i] for r in rows) / world for i in range(steps)]
     merged["faults"] = [sum(r["faults"][i] for r in rows) / world for i in range(steps)]
     return merged

@@ -22,6 +22,11 @@ class Workload:
     lr: float = 1e-3
     seed: int = 0
 
+    @property
+    def layer_numel(self) -> int:
+        """Parameters of one block (four linears with biases, two layer norms)."""
+        return 12 * self.d_model**2 + 13 * self.d_model
+
 
 class Block(nn.Module):
     """Pre-norm transformer block."""

@@ -9,6 +9,7 @@ from zero3.core._api import full_grad, gathered_parameters, local_grad, register
 from zero3.core._buckets import GradBucket
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
+from zero3.core._empty import empty_init
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._memory import (
     MemoryStats,
@@ -40,6 +41,7 @@ __all__ = [
     "Tracer",
     "WeightSource",
     "Zero3Config",
+    "empty_init",
     "estimate_model_states",
     "full_grad",
     "gathered_parameters",

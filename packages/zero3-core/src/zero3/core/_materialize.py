@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from zero3.comm import CommBackend
 from zero3.core._config import Zero3Config
+from zero3.core._empty import SkipMetaFills
 from zero3.core._params import _METADATA, _released_class
 from zero3.core._sources import WeightSource, open_weight_source
 
@@ -218,8 +218,10 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-class _TouchRecorder(TorchFunctionMode):
-    """Records which watched parameters the ops run under it read or write."""
+class _TouchRecorder(SkipMetaFills):
+    """Records which watched parameters the ops run under it read or write (and skips
+    value fills of meta tensors, as :func:`empty_init` does).
+    """
 
     def __init__(self, watched: Mapping[int, _Target]) -> None:
         super().__init__()
@@ -239,7 +241,7 @@ class _TouchRecorder(TorchFunctionMode):
                 target = self.watched.get(id(t))
                 if target is not None:
                     self.touched.add(target.index)
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 @contextlib.contextmanager

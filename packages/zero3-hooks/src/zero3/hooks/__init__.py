@@ -10,7 +10,7 @@ Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inferenc
         logits = model(tokens)
 """
 
-from zero3.hooks._empty import empty_init
+from zero3.core import empty_init
 from zero3.hooks._shard import (
     ShardedModule,
     memory_stats,
