@@ -5,10 +5,13 @@
     .venv/bin/python tools/memory.py table               # training, world 1/2/4 vs theory
     .venv/bin/python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
 
-Every figure is the growth of a rank's peak resident set (``ru_maxrss``) over a baseline
+Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
+``VmHWM``: ``ru_maxrss`` without the peak of the parent image before ``exec``) over a baseline
 taken in the same process after the imports and the process group (the interpreter,
-torch and gloo cost the same with or without a model). ``W`` is the model's fp32 weight
-bytes, ``L`` its largest tensor, ``N`` the world size. The bounds checked:
+torch and gloo cost the same with or without a model); at the baseline the peak is reset
+to the current RSS (``/proc/self/clear_refs``), so an earlier transient peak of the
+imports cannot hide growth. ``W`` is the model's fp32 weight bytes, ``L`` its largest
+tensor, ``N`` the world size. The bounds checked:
 
 - building under ``empty_init`` (and loading a checkpoint): ``1.1·(W/N + 2·L) + 32 MiB``;
 - then one forward (no grad, one sequence) with ``max_reuse_distance=0``, a one-layer
@@ -24,7 +27,6 @@ demonstration does not come out as claimed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench.workload import Workload
 from _train.launch import free_port, rank_env
+from _train.report import peak_rss_bytes, rss_baseline
 
 MiB = 2**20
 RESULT = "MEMORY_RESULT "
@@ -54,21 +57,6 @@ def _meminfo(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _peak() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _settle() -> None:
-    """Free what can be freed and hand the heap back, so a baseline is a floor."""
-    import ctypes
-
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _bounds_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +80,7 @@ def _bounds_worker(spec: dict[str, Any]) -> dict[str, Any]:
     )
     x, y = batch(Workload(**{**spec["workload"], "batch": 1}), 0, comm.rank, comm.world_size)
     comm.barrier().wait()
-    _settle()
-    baseline = _peak()
+    baseline = rss_baseline()
     if spec["eager"]:
         model = build(w)
         if spec["checkpoint"]:
@@ -104,10 +91,10 @@ def _bounds_worker(spec: dict[str, Any]) -> dict[str, Any]:
         with empty_init():
             model = build(w)
         shard_module(model, config, comm=comm, checkpoint=spec["checkpoint"] or None)
-    built = _peak() - baseline
+    built = peak_rss_bytes() - baseline
     with torch.no_grad():
         model(x, y)
-    forward = _peak() - baseline
+    forward = peak_rss_bytes() - baseline
     held = memory_stats(model).param_bytes
     return {"rank": comm.rank, "baseline": baseline, "built": built, "forward": forward,
             "held": held}  # fmt: skip
@@ -139,6 +126,7 @@ def _cap_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    rss_baseline()
     cap = _meminfo("VmData") + spec["allowance"]
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     w = W(**spec["workload"])
@@ -151,7 +139,13 @@ def _cap_worker(spec: dict[str, Any]) -> dict[str, Any]:
         outcome = {"ok": True, "losses": losses}
     except (RuntimeError, MemoryError) as exc:
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    return {"rank": rank, "cap": cap, "allowance": spec["allowance"], "peak": _peak(), **outcome}
+    return {
+        "rank": rank,
+        "cap": cap,
+        "allowance": spec["allowance"],
+        "peak": peak_rss_bytes(),
+        **outcome,
+    }
 
 
 def _zero3_capped(w: Workload, rank: int, world: int) -> Any:

@@ -113,7 +113,7 @@ def train(args: object) -> int:
     corpus = CharCorpus()
     shape = GPTConfig(corpus.vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
     comm.barrier().wait()
-    baseline = report.peak_rss_bytes()  # before the model: interpreter, torch, backend
+    baseline = report.rss_baseline()  # before the model: interpreter, torch, backend
     model, estimate = _build(args, settings, comm, shape)
     opt = PartitionedOptimizer(model, settings.optimizer, **settings.optimizer_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(settings, args.warmup))  # type: ignore[attr-defined]

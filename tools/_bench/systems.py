@@ -14,16 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _train.report import peak_rss_bytes, rss_baseline
 
 from _bench import phases
 from _bench.workload import Workload, batch, build
 
 StepFn = Callable[[int], float]
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``ru_maxrss``, the kernel's VmHWM)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _adamw(params: Any, w: Workload) -> torch.optim.Optimizer:
@@ -212,7 +208,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     # The memory every system pays before its model exists (interpreter, torch, the
     # process group): peak RSS growth from here is the system's own.
-    baseline = peak_rss_bytes()
+    baseline = rss_baseline()
     step_fn, info = lookup(system)(w, rank, world)
     times, losses, cpu, faults = [], [], [], []
     profiler = None

@@ -12,6 +12,7 @@ peak resident set (also reported) holds those on top.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import resource
 import sys
@@ -39,7 +40,16 @@ OPTIMIZER_STATES: dict[str, float] = {
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``ru_maxrss``; Linux reports KiB)."""
+    """This process's peak resident set size: the kernel's high-water mark.
+
+    Read as ``VmHWM`` where /proc has it: ``ru_maxrss`` is the same counter but also
+    keeps the peak of the image before ``exec``, so a rank spawned by a large Python
+    parent would report the parent's RSS as its own peak.
+    """
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
