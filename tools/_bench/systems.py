@@ -26,13 +26,22 @@ def _adamw(params: Any, w: Workload) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=w.lr)
 
 
-def _loop_step(model: Any, opt: Any, w: Workload, rank: int, world: int) -> StepFn:
+def _loop_step(
+    model: Any,
+    opt: Any,
+    w: Workload,
+    rank: int,
+    world: int,
+    after_backward: Callable[[], None] | None = None,
+) -> StepFn:
     """One plain training step (forward, backward, optimizer step, zero_grad)."""
 
     def step(i: int) -> float:
         x, y = batch(w, i, rank, world)
         loss = model(x, y)
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         opt.step()
         opt.zero_grad()
         return float(loss)
@@ -95,7 +104,10 @@ def _zero3(
             model = build(w)
     shard_module(model, Zero3Config(backend="gloo", **config))
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
-    step = _loop_step(model, opt, w, rank, world)
+    held: list[int] = []  # model state after each backward (gradients and optimizer state)
+    step = _loop_step(
+        model, opt, w, rank, world, lambda: held.append(memory_stats(model, opt).held_bytes)
+    )
 
     state = sharded_state(model)
     psi = sum(sp.numel for sp in state.params)
@@ -112,7 +124,7 @@ def _zero3(
             "gathers": s.gathers,
             "reductions": s.reduce_collectives,
             "hit_rate": s.prefetch_hit_rate,
-            "held": mem.held_bytes,
+            "held": max(held, default=mem.held_bytes),
             "unsharded": mem.unsharded_bytes,
             "peak_gathered": mem.peak_gathered_bytes,
             "pool": mem.pool_bytes,

@@ -338,7 +338,7 @@ class Materializer:
         comm: The backend (rank, world size, device, the collectives that sync).
         param_init_fn: Called as ``param_init_fn(module)`` for each module instead of
             the module's ``reset_parameters()``.
-        checkpoint: A ``checkpoint=`` path, or an open :class:`WeightSource`.
+        checkpoint: A ``checkpoint=`` path, or an open :class:`~zero3.core.WeightSource`.
 
     Attributes:
         active: Whether there is anything to do (a meta tensor, or a checkpoint).
@@ -655,8 +655,7 @@ class Materializer:
             full.untyped_storage().resize_(0)
         param = t.param
         if not param.is_meta:
-            own_storage(param)
-            param.data = full
+            param.data = full  # a real parameter loaded from the checkpoint
         else:
             cls, attrs = type(param), dict(param.__dict__)
             try:

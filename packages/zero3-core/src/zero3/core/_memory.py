@@ -76,7 +76,8 @@ class MemoryStats:
         world_size: Ranks the model is sharded over.
         numel: Parameter elements of the whole model (Ψ).
         param_bytes: Parameter shards plus whole persistent parameters.
-        grad_bytes: Gradient shards (zero until the first backward).
+        grad_bytes: Gradient shards (zero until the first backward; a world of one
+            keeps its gradients only until the optimizer step).
         master_bytes: fp32 master shards that are not the parameter shards themselves
             (none for fp32 parameters).
         optimizer_bytes: Optimizer state tensors (zero until the first step).
@@ -104,7 +105,7 @@ class MemoryStats:
 
     @property
     def held_bytes(self) -> int:
-        """Model state this rank holds: parameters, gradients, masters, optimizer state."""
+        """The model state this rank holds (parameters, gradients, masters, optimizer state)."""
         return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
 
     @property
@@ -190,7 +191,7 @@ class ModelStatesEstimate:
 
     @property
     def per_rank_bytes(self) -> int:
-        """Model state per rank: parameters, gradients, masters, optimizer state."""
+        """The model state per rank (parameters, gradients, masters, optimizer state)."""
         return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
 
 
