@@ -168,7 +168,8 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
     "fsdp2": _fsdp2,
     "zero3": _zero3,
     "zero3-release": lambda w, r, n: _zero3(w, r, n, max_reuse_distance=0),
-    # Memory-lean: release on exit, prefetch one layer ahead, at most three layers live.
+    # Memory-lean: release on exit, prefetch one layer ahead, at most three layers live,
+    # gradients reduced in quarter-layer chunks (four in flight: one layer of buffers).
     "zero3-lean": lambda w, r, n: _zero3(
         w,
         r,
@@ -176,6 +177,7 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
         max_reuse_distance=0,
         prefetch_bucket_size=w.layer_numel,
         max_live_parameters=3 * w.layer_numel,
+        overlap_chunk_size=w.layer_numel // 4,
     ),
     "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),
     "zero3-release-eager-build": lambda w, r, n: _zero3(
