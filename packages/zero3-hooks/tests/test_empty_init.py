@@ -121,3 +121,24 @@ def test_an_initialiser_that_replaces_its_parameter_is_an_error():
         model = Replacing()
     with pytest.raises(ValueError, match=r"\(Replacing\) replaced parameter\(s\) \['weight'\]"):
         shard_module(model, comm=create_backend("loopback"))
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+
+def test_meta_buffers_come_from_the_checkpoint(tmp_path):
+    torch.manual_seed(2)
+    source = Normed()
+    source.norm.running_mean.uniform_()
+    save_file(source.state_dict(), str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = Normed()
+    assert model.norm.running_mean.is_meta
+    shard_module(model, comm=create_backend("loopback"), checkpoint=tmp_path)
+    for key, value in source.state_dict().items():
+        got = model.state_dict()[key]
+        assert not got.is_meta and torch.equal(got, value), key
