@@ -308,7 +308,8 @@ def table(worlds: list[int], systems: list[str], steps: int, timeout: float) -> 
             print(f"| {n} | {name} | {theory / MiB:.0f} | {est} | {held} | {growth / MiB:.0f} "
                   f"| {extra} | {below} | {base:.0f} |", flush=True)  # fmt: skip
     print("\nestimate: zero3.core.estimate_model_states(model on meta, N); held: "
-          "zero3.hooks.memory_stats(model, optimizer) after the last step")  # fmt: skip
+          "zero3.hooks.memory_stats(model, optimizer) after each backward, most of any "
+          "step")  # fmt: skip
     return ok
 
 
