@@ -464,21 +464,21 @@ class ShardedModelState:
 
     # -- writing parameter values ---------------------------------------------------------
 
-    def write_local(self, sp: ShardedParam, values: torch.Tensor) -> None:
-        """Set this rank's real elements of ``sp`` (its shard, and its fp32 master if an
-        optimizer keeps one apart). The whole parameter, if gathered, is not touched.
+    def write_local(self, sp: ShardedParam, values: torch.Tensor, *, masters: bool = True) -> None:
+        """Set this rank's real elements of ``sp``: its shard, and (``masters``) its fp32
+        master if an optimizer keeps one apart. The whole parameter is not touched.
         """
         with torch.no_grad():
             sp.shard[: values.numel()].copy_(values)
-            if sp.master is not None:
+            if masters and sp.master is not None:
                 sp.master.copy_(values)
 
-    def write_full(self, sp: ShardedParam, flat: torch.Tensor) -> None:
+    def write_full(self, sp: ShardedParam, flat: torch.Tensor, *, masters: bool = True) -> None:
         """Set ``sp`` from its full values (``numel`` elements, flat): this rank's shard
-        and master, and the parameter itself where it is whole here.
+        and (``masters``) master, and the parameter itself where it is whole here.
         """
         start, stop = sp.valid_range(sp.rank)
-        self.write_local(sp, flat[start:stop])
+        self.write_local(sp, flat[start:stop], masters=masters)
         if sp.status is ParamStatus.AVAILABLE and not sp.aliases_param:
             _params.write_full(sp.param, flat)
         # The whole data (if any) equals the shards again: no edit pending.
