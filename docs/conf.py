@@ -30,7 +30,8 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 # Optional libraries are imported lazily by the backends that need them; mocking them
-# keeps the build independent of what happens to be installed (NOTES: Sphinx section).
+# keeps the build independent of what happens to be installed (autodoc imports every
+# module it documents, and a module importing a missing library would fail the build).
 autodoc_mock_imports = ["torch_npu", "mpi4py", "cupy"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -62,7 +63,8 @@ nitpick_ignore_regex = [
     (
         r"py:(class|obj|exc)",
         r"collections\.abc\.(Callable|Iterable|Iterator|Mapping|Sequence)"
-        r"|abc\.ABC|enum\.Enum|os\.PathLike|threading\.Thread|types\.ModuleType",
+        r"|abc\.ABC|enum\.(Int)?Enum|os\.PathLike|threading\.Thread|types\.ModuleType"
+        r"|io\.BytesIO|pathlib\.Path|concurrent\.futures\._base\.Future",
     ),
 ]
 

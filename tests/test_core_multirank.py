@@ -183,8 +183,15 @@ class Twins(nn.Module):
         self.right = nn.Linear(6, 6)  # same size: gathers of the two have equal bytes
 
 
-def _different_modules_per_rank() -> str:
-    comm = GlooBackend(timeout_s=20)
+class NoHostChannel(GlooBackend):
+    """gloo without a host channel: gathers are checked by their in-band fingerprints."""
+
+    def host_channel(self) -> None:
+        return None
+
+
+def _different_modules_per_rank(headers: bool) -> str:
+    comm = (GlooBackend if headers else NoHostChannel)(timeout_s=20)
     model = Twins()
     state = ShardedModelState.create(model, Zero3Config(param_persistence_threshold=0), comm)
     c = state.coordinator
@@ -192,17 +199,27 @@ def _different_modules_per_rank() -> str:
     chosen = model.left if comm.rank % 2 == 0 else model.right
     with pytest.raises(FingerprintMismatchError) as info:
         c.fetch_sub_module(chosen, forward=True)
+        c.verify_gathers()  # without headers: the batched in-band check
     return str(info.value)
 
 
+@pytest.mark.parametrize("headers", [True, False], ids=["headers", "in-band"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_fetching_different_same_sized_modules_fail_with_fingerprint_error(
-    worker_pool, world_size
+    worker_pool, world_size, headers
 ):
-    for rank, message in enumerate(worker_pool(world_size).run(_different_modules_per_rank)):
-        assert "ranks gathered different parameters" in message, rank
-        assert "rank 0: module 'left'" in message
-        assert "rank 1: module 'right'" in message
+    # With a host channel the headers catch it before the gather; without one the
+    # fingerprints inside the gathered bytes do. Both name each rank's module and the fix.
+    results = worker_pool(world_size).run(_different_modules_per_rank, headers)
+    for rank, message in enumerate(results):
+        if headers:
+            assert "ranks are about to issue different collectives" in message, rank
+            assert "rank 0: gathered a module's parameters for module 'left'" in message
+            assert "rank 1: gathered a module's parameters for module 'right'" in message
+        else:
+            assert "ranks gathered different parameters" in message, rank
+            assert "rank 0: module 'left'" in message
+            assert "rank 1: module 'right'" in message
         assert "set_leaf_modules" in message  # says how to fix it
 
 

@@ -12,6 +12,7 @@ from zero3.core import Zero3Config, full_grad, local_grad, sharded_state
 from zero3.hooks import shard_module, stats
 from zero3.testing import CaseError
 from zero3.testing.models import MoEBlock, Routed, build, loss_of, routed_input
+from zero3.testing.reduce_paths import ArrivalOrderPath
 
 pytestmark = pytest.mark.multirank
 
@@ -251,7 +252,9 @@ def _arrival_order_buckets(fixed: bool) -> dict[str, object]:
         ),
         comm=comm,
     )
-    sharded_state(model).reducer.fixed_buckets = fixed  # the private off switch
+    if not fixed:  # DeepSpeed's arrival-order buckets, a test-only strategy
+        path = sharded_state(model).reducer.path
+        sharded_state(model).reducer.use_path(ArrivalOrderPath(path.comm, path.stream, path.pool))
     # Rank r routes every token to expert r: the other experts get no gradient here.
     loss_of(model(routed_input(comm.rank))).backward()
     return {"ok": True}

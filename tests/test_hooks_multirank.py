@@ -174,12 +174,14 @@ def test_moe_with_rank_dependent_routing_needs_a_leaf(worker_pool, world_size):
         assert result.get("error") is None, result
         assert result["out"] < 1e-6 and result["in"] < 1e-6 and result["gathers"] > 0
     # The same run without the leaf marking: each rank runs a different expert, and the
-    # equal-sized gathers are caught by the fingerprint (not a hang, not mixed shards).
+    # equal-sized gathers are caught by the headers before the gather (not a hang, not
+    # mixed shards), naming each rank's module and advising a leaf.
     for rank, result in enumerate(group.run(_moe_routing, False)):
         message = result.get("error", "")
-        assert "ranks gathered different parameters" in message, (rank, result)
-        assert "rank 0: module 'moe.experts.0." in message
-        assert "rank 1: module 'moe.experts.1." in message
+        assert "ranks are about to issue different collectives" in message, (rank, result)
+        assert "rank 0: gathered a module's parameters for module 'moe.experts.0." in message
+        assert "rank 1: gathered a module's parameters for module 'moe.experts.1." in message
+        assert "leaf" in message
 
 
 class HiddenUse(nn.Module):

@@ -17,6 +17,7 @@ import gc
 import os
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -29,60 +30,71 @@ from _train.data import CharCorpus
 from _train.model import GPT, GPTConfig, sample
 from _train.settings import Settings, lr_lambda, parser, settings_from
 
-from zero3.comm import CommBackend, ReduceOp, create_backend
-from zero3.core import Tracer, estimate_model_states, gathered_parameters, sharded_state
+from zero3.comm import CommBackend, ReduceOp, create_backend, launched_by_mpi, launched_by_torch
+from zero3.core import (
+    CheckpointError,
+    CheckpointReader,
+    Tracer,
+    estimate_model_states,
+    gathered_parameters,
+    sharded_state,
+)
 from zero3.hooks import empty_init, shard_module, stats
-from zero3.optim import PartitionedOptimizer
+from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, then launch ranks or act as one."""
     args = parser().parse_args(argv)
-    if not (launch.launched_by_torch() or launch.launched_by_mpi()):
+    if not (launched_by_torch() or launched_by_mpi()):
         nproc = args.nproc or min(4, launch.usable_cores())
         if nproc < 1:
             parser().error(f"--nproc must be >= 1, got {nproc}")
         try:  # fail once, here, rather than once per rank
             _preflight(args, nproc)
-        except (ValueError, TypeError, LookupError, RuntimeError) as exc:
+        except (ValueError, TypeError, LookupError, RuntimeError, CheckpointError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(f"zero3: launching {nproc} local ranks (torchrun-style env, gloo rendezvous)")
         return launch.self_launch(nproc, [str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
-    if (
-        launch.launched_by_mpi()
-        and not launch.launched_by_torch()
-        and args.backend not in ("auto", "mpi")
-    ):
+    if launched_by_mpi() and not launched_by_torch() and args.backend not in ("auto", "mpi"):
         launch.bootstrap_torch_env_from_mpi()
     try:
         code = train(args)
-    except (ValueError, TypeError, LookupError, RuntimeError) as exc:
+    except (ValueError, TypeError, LookupError, RuntimeError, CheckpointError) as exc:
         rank = os.environ.get("RANK", os.environ.get("PMI_RANK", "?"))
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
         code = 2
-    launch.leave_rank(code)  # see its Note: gloo teardown can abort a finished rank
+    return code
 
 
 def _preflight(args: object, nproc: int) -> None:
     """Check flags, config, model shape and backend before starting any rank."""
-    from zero3.comm import BackendUnavailableError, registered_backends
-    from zero3.comm._registry import _load
+    import logging
 
-    settings_from(args, nproc)  # type: ignore[arg-type]
+    from zero3.comm import backend_class
+
+    # The DeepSpeed config is read once here, before any rank starts: its INFO lines (each
+    # "auto" resolved, each key zero3 leaves to this loop) are shown once, not per rank.
+    notes = logging.StreamHandler(sys.stdout)
+    notes.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("zero3.core")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(notes)
+    try:
+        settings_from(args, nproc)  # type: ignore[arg-type]
+    finally:
+        logger.removeHandler(notes)
+        logger.setLevel(level)
+    if args.resume is not None:  # type: ignore[attr-defined]
+        CheckpointReader(args.resume)  # type: ignore[attr-defined]  # exists, finished, zero3's
     GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
     weights = args.from_weights  # type: ignore[attr-defined]
     if weights is not None and not weights.exists():
         raise ValueError(f"--from {weights}: no such file or directory")
-    backend = args.backend
-    if backend != "auto":
-        if backend not in registered_backends():
-            _load()[1].get(backend)  # raises UnknownBackendError listing the names
-        reason = _load()[1].get(backend).unavailable_reason()
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"comm backend {backend!r} is not available here: {reason}"
-            )
+    if args.backend != "auto":  # "auto" is resolved by each rank on its own device
+        backend_class(args.backend)
 
 
 def _mean_and_max(comm: CommBackend, value: float, seconds: float) -> tuple[float, float]:
@@ -119,7 +131,8 @@ def train(args: object) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(settings, args.warmup))  # type: ignore[attr-defined]
     if rank == 0:
         _print_setup(comm, settings, model)
-    losses, times = _loop(args, comm, settings, corpus, model, opt, scheduler)
+    start = _resume(args, comm, settings, model, opt, scheduler)
+    losses, times = _loop(args, comm, settings, corpus, model, opt, scheduler, start)
     tracer, sharded_state(model).tracer = sharded_state(model).tracer, None  # not the samples
     metrics = report.rank_metrics(model, opt, stats(model), times, baseline)
     rows = report.gather_rows(comm, metrics)
@@ -128,6 +141,8 @@ def train(args: object) -> int:
         print(report.format_summary(rows, model, settings.config, tokens, estimate))
     _samples(args, comm, corpus, model, shape)
     _outputs(args, comm, tracer, losses, times)
+    for future in _SAVES:
+        future.result()  # an async save's failure surfaces here
     comm.barrier().wait()
     # Free the model (its gradient group with it), then the default group, while the
     # interpreter is whole: gloo groups finalized at exit can abort a finished run.
@@ -177,6 +192,55 @@ def _print_setup(comm: CommBackend, settings: Settings, model: torch.nn.Module) 
     )
 
 
+_SAVES: list[Future[Path]] = []
+
+
+def _resume(
+    args: object,
+    comm: CommBackend,
+    settings: Settings,
+    model: torch.nn.Module,
+    opt: PartitionedOptimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """Load --resume (any world size); the step to continue from."""
+    if args.resume is None:  # type: ignore[attr-defined]
+        return 0
+    extra = load_checkpoint(args.resume, model, opt)  # type: ignore[attr-defined]
+    scheduler.load_state_dict(extra["scheduler"])
+    step = int(extra["step"])
+    if step >= settings.steps:
+        raise ValueError(
+            f"--resume {args.resume}: it is at step {step}, --steps is {settings.steps}"
+        )  # type: ignore[attr-defined]
+    if comm.rank == 0:
+        print(f"resumed from {args.resume} at step {step}", flush=True)  # type: ignore[attr-defined]
+    return step
+
+
+def _checkpoint(
+    args: object,
+    comm: CommBackend,
+    done: int,
+    total: int,
+    model: torch.nn.Module,
+    opt: PartitionedOptimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Save after step ``done`` if --save asks for it (at the end, every --save-every)."""
+    every = args.save_every  # type: ignore[attr-defined]
+    if args.save is None or not (done == total or (every and done % every == 0)):  # type: ignore[attr-defined]
+        return
+    path = str(args.save).replace("{step}", str(done))  # type: ignore[attr-defined]
+    extra = {"step": done, "scheduler": scheduler.state_dict()}
+    future = save_checkpoint(path, model, opt, extra=extra, async_save=args.save_async)  # type: ignore[attr-defined]
+    if future is not None:
+        _SAVES.append(future)
+    if comm.rank == 0:
+        how = "saving in the background" if future is not None else "saved"
+        print(f"checkpoint: {how} {path} (step {done})", flush=True)
+
+
 def _loop(
     args: object,
     comm: CommBackend,
@@ -185,14 +249,15 @@ def _loop(
     model: torch.nn.Module,
     opt: PartitionedOptimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    start: int = 0,
 ) -> tuple[list[float], list[float]]:
     rank, world = comm.rank, comm.world_size
     seq = model.cfg.seq_len  # type: ignore[union-attr]
-    bar = _progress(rank == 0 and not args.no_progress, settings.steps)  # type: ignore[attr-defined]
+    bar = _progress(rank == 0 and not args.no_progress, settings.steps - start)  # type: ignore[attr-defined]
     trace_from = settings.steps - args.trace_steps if args.trace else settings.steps + 1  # type: ignore[attr-defined]
     tokens = settings.batch * settings.accumulation * world * seq
     losses, times = [], []
-    for step in range(settings.steps):
+    for step in range(start, settings.steps):
         if step == trace_from:
             sharded_state(model).tracer = Tracer(rank)
         start = time.perf_counter()
@@ -225,6 +290,7 @@ def _loop(
             print(
                 f"step {step + 1}/{settings.steps} loss {mean:.4f} {slowest:.3f} s/step", flush=True
             )
+        _checkpoint(args, comm, step + 1, settings.steps, model, opt, scheduler)
     if bar is not None:
         bar.close()  # type: ignore[attr-defined]
     return losses, times

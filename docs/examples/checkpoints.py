@@ -1,4 +1,4 @@
-"""Checkpoints of a sharded model: full weights, per-rank optimizer state, resuming.
+"""Checkpoints of a sharded model: save at one world size, load at any, export weights.
 
     torchrun --standalone --nproc-per-node 2 docs/examples/checkpoints.py [DIR]
 
@@ -14,8 +14,13 @@ from torch import nn
 
 from zero3.comm import create_backend
 from zero3.core import Zero3Config, gathered_parameters
-from zero3.hooks import full_state_dict, load_full_state_dict, shard_module
-from zero3.optim import PartitionedOptimizer
+from zero3.hooks import shard_module
+from zero3.optim import (
+    PartitionedOptimizer,
+    consolidate_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 COMM = create_backend("auto", timeout_s=60)
 RANK, WORLD = COMM.rank, COMM.world_size
@@ -41,27 +46,42 @@ def train(model, opt, steps, first):
     return losses
 
 
-def save(model, opt):
+def save(model, opt, step):
     try:
         model.state_dict()  # refused: it would hold no data for partitioned parameters
     except RuntimeError as exc:
         if RANK == 0:
             print(f"model.state_dict(): {str(exc).split(',')[0]}")
-    weights = full_state_dict(model, rank0_only=True)  # collective: every rank calls it
-    DIR.mkdir(parents=True, exist_ok=True)
-    if RANK == 0:
-        torch.save(weights, DIR / "model.pt")  # an ordinary, unsharded state dict
-    torch.save(opt.state_dict(), DIR / f"optim-rank{RANK}-of-{WORLD}.pt")  # one per rank
-    COMM.barrier().wait()  # the files are complete before anyone reads them
+    # Every rank writes its own shards; the directory appears once all have finished.
+    save_checkpoint(DIR / "ckpt", model, opt, extra={"step": step})
 
 
 def resume():
     model = build()
-    weights = torch.load(DIR / "model.pt", mmap=True)  # every rank reads the full weights
-    load_full_state_dict(model, weights)  # each rank keeps its own shard
-    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)  # after loading: masters
-    opt.load_state_dict(torch.load(DIR / f"optim-rank{RANK}-of-{WORLD}.pt"))  # same rank, world
-    return model, opt
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    extra = load_checkpoint(DIR / "ckpt", model, opt)  # at any world size
+    return model, opt, extra["step"]
+
+
+def save_in_background(model, opt, step):
+    future = save_checkpoint(DIR / "ckpt", model, opt, extra={"step": step}, async_save=True)
+    train(model, opt, steps=1, first=step)  # training goes on while the files are written
+    return future.result()  # the published path; raises if the save failed
+
+
+def export():
+    if RANK == 0:  # one process, one tensor in memory at a time
+        files = consolidate_checkpoint(DIR / "ckpt", DIR / "weights", dtype="bfloat16")
+        print(f"consolidated: {[p.name for p in files]}")
+
+
+def open_with_torch():
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if RANK == 0:  # torch's own tool reads a zero3 checkpoint into unsharded tensors
+        dcp_to_torch_save(DIR / "ckpt", DIR / "full.pt")
+        full = torch.load(DIR / "full.pt", weights_only=True)
+        print(f"dcp_to_torch_save: {sorted(full)}, model keys {sorted(full['model'])}")
 
 
 def edit_on_one_rank(model):
@@ -75,11 +95,16 @@ def edit_on_one_rank(model):
 model = build()
 opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
 train(model, opt, steps=3, first=0)
-save(model, opt)
+save(model, opt, step=3)
 straight = train(model, opt, steps=2, first=3)  # the run without interruption
 
-model, opt = resume()
-resumed = train(model, opt, steps=2, first=3)
+model, opt, step = resume()
+resumed = train(model, opt, steps=2, first=step)
 if RANK == 0:
     print(f"resumed losses equal the uninterrupted run: {resumed == straight}")
+published = save_in_background(model, opt, step=5)
+if RANK == 0:
+    print(f"async save published {published.name}")
+export()
+open_with_torch()
 edit_on_one_rank(model)

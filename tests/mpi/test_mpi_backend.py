@@ -305,7 +305,8 @@ def test_progress_thread_completes_while_caller_computes(mpi: Any, mpib: MPIBack
 def test_progress_needs_the_thread(mpi: Any, thread: bool) -> None:
     # Rank 0 computes for 1.5 s without calling MPI; the others wait for a 4 MiB
     # gather. With the progress thread they finish long before rank 0 returns to MPI;
-    # without it MPI makes no progress on rank 0 (NOTES.md) and they wait it out.
+    # without it MPI makes no progress on rank 0 (MPI advances requests only inside
+    # MPI calls) and they wait it out.
     backend = MPIBackend(timeout_s=30, progress_thread=thread)
     try:
         x = torch.full((1 << 20,), float(backend.rank))

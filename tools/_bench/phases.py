@@ -19,11 +19,12 @@ import pstats
 from typing import Any
 
 #: (file name, function) -> what the phase is. Cumulative times; "wait" phases include
-#: time blocked on peers.
+#: time blocked on peers. Every entry must show up in a profiled zero3 step (summarize
+#: raises otherwise), so renaming an engine function cannot drop a phase silently.
 PHASES: dict[tuple[str, str], str] = {
     ("_gather.py", "__init__"): "gather: pack own shards + issue",
     ("_gather.py", "_copy_out"): "gather: copy out into parameters",
-    ("_gather.py", "_check_fingerprints"): "gather: fingerprint check",
+    ("_guard.py", "check"): "gather: header exchange",
     ("_gather.py", "finish"): "gather: wait + copy out",
     ("_buckets.py", "write"): "reduce: gradient into bucket",
     ("_reducer.py", "_finish_oldest"): "reduce: wait + combine",
@@ -54,6 +55,14 @@ def summarize(profiler: cProfile.Profile, steps: int) -> dict[str, Any]:
         label = PHASES.get((path.rsplit("/", 1)[-1], func))
         if label is not None:
             phases[label] = phases.get(label, 0.0) + cumtime
+    missing = sorted(label for label in PHASES.values() if label not in phases)
+    if missing:
+        # A phase names an engine function; one that never ran was renamed or removed.
+        # Fail loudly rather than report a table with a row silently gone.
+        raise RuntimeError(
+            f"bench --profile: no profile entry for the phases {missing}; update PHASES in "
+            "tools/_bench/phases.py to the engine's current function names"
+        )
     per_step = {label: 1000 * t / steps for label, t in phases.items()}
     top = {name: 1000 * t / steps for t, name in sorted(own, reverse=True)[:5]}
     return {

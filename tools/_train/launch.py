@@ -8,10 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 CHILD_FLAG = "ZERO3_TRAIN_CHILD"
-_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
 def usable_cores() -> int:
@@ -20,35 +19,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def launched_by_torch() -> bool:
-    """torchrun (or our own launcher) set the rendezvous variables."""
-    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def launched_by_mpi() -> bool:
-    """mpiexec started this process."""
-    return any(v in os.environ for v in _MPI_RANK_VARS)
-
-
-def leave_rank(code: int) -> NoReturn:
-    """End a rank process that has finished its work, skipping interpreter teardown.
-
-    Note:
-        Measured here (torch 2.13, gloo): about one zero3 rank process in ten aborted
-        (SIGABRT, "terminate called without an active exception", no Python frame on
-        the stack) during interpreter finalization — after its work, its output and
-        ``destroy_process_group()`` were done, with the engine freed first. The abort
-        is in C++ teardown of torch/gloo state, not in a collective; leaving through
-        ``os._exit`` once everything is flushed skips that teardown. Ranks started by
-        ``mpiexec`` exit normally, since MPI must be finalized.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if launched_by_mpi():
-        sys.exit(code)
-    os._exit(code)
 
 
 def bootstrap_torch_env_from_mpi() -> None:

@@ -14,7 +14,6 @@ from zero3.core import Zero3Config
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 @dataclasses.dataclass
@@ -145,6 +144,27 @@ def parser() -> argparse.ArgumentParser:
         help="Zero3Config.param_persistence_threshold, tensors this small stay whole "
         f"(default: {Zero3Config.param_persistence_threshold:,}, or the DeepSpeed config's)",
     )
+    ckpt = p.add_argument_group("checkpoints (torch.distributed.checkpoint, any number of ranks)")
+    ckpt.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="save a sharded checkpoint to DIR at the end (and every --save-every steps), "
+        "replacing the previous one atomically; '{step}' in DIR becomes the step number",
+    )
+    ckpt.add_argument(
+        "--save-every", type=int, default=None, metavar="K", help="also save every K steps"
+    )
+    ckpt.add_argument(
+        "--save-async", action="store_true", help="write checkpoints while training goes on"
+    )
+    ckpt.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue from a checkpoint, with any number of ranks (keep --batch x ranks "
+        "to see the same global batches)",
+    )
     out = p.add_argument_group("output")
     out.add_argument(
         "--trace",
@@ -167,19 +187,120 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ds_optimizer(spec: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    kind = str(spec.get("type", "AdamW")).lower()
-    if kind not in OPTIMIZERS:
+# The command's own optimizer settings; a DeepSpeed "auto" value takes these (as the HF
+# Trainer fills "auto" from its TrainingArguments).
+DEFAULT_OPTIMIZER: dict[str, Any] = {
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "betas": (0.9, 0.95),
+    "eps": 1e-8,
+}
+# Parameters each DeepSpeed scheduler takes (DeepSpeed passes them as keyword arguments).
+SCHEDULER_PARAMS = {
+    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+    "WarmupDecayLR": {
+        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+    },
+    "WarmupCosineLR": {
+        "warmup_min_ratio", "warmup_num_steps", "warmup_type", "total_num_steps", "cos_min_ratio",
+    },
+}  # fmt: skip
+
+
+def _ds_optimizer(
+    spec: Any, lr: float | None
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class and keyword arguments of a DeepSpeed ``optimizer`` section."""
+    kind = spec.get("type", "AdamW")
+    if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
         raise ValueError(
-            f"DeepSpeed optimizer type {spec.get('type')!r} is not supported by this command; "
-            f"use one of {sorted(OPTIMIZERS)} (any torch optimizer works through the API)"
+            f"DeepSpeed optimizer.type {kind!r} is not supported by this command; use one of "
+            f"{sorted(OPTIMIZERS)} (any torch optimizer works through the API)"
         )
-    params = dict(spec.get("params", {}))
+    params = spec.get("params", {})
+    if not isinstance(params, dict):
+        raise TypeError(f"DeepSpeed optimizer.params must be a mapping, got {params!r}")
+    params = dict(params)
     params.pop("torch_adam", None)
-    params.pop("adam_w_mode", None)
-    if "betas" in params:
+    adam_w_mode = params.pop("adam_w_mode", True)
+    if not isinstance(adam_w_mode, bool):
+        raise TypeError(
+            f"DeepSpeed optimizer.params.adam_w_mode must be true or false, got {adam_w_mode!r}"
+        )
+    # DeepSpeed runs "Adam" as AdamW (decoupled weight decay) unless adam_w_mode is false.
+    optimizer = OPTIMIZERS[kind.lower()]
+    if optimizer is torch.optim.Adam and adam_w_mode:
+        optimizer = torch.optim.AdamW
+    defaults = {**DEFAULT_OPTIMIZER, **({} if lr is None else {"lr": lr})}
+    for key, value in params.items():
+        if value == "auto":
+            if key not in defaults:
+                raise ValueError(
+                    f'DeepSpeed optimizer.params.{key} is "auto" but this command has no value '
+                    f"for it; write a number (it fills lr, betas, eps and weight_decay)"
+                )
+            params[key] = defaults[key]
+    if lr is not None:
+        params["lr"] = lr
+    if isinstance(params.get("betas"), list):
         params["betas"] = tuple(params["betas"])
-    return OPTIMIZERS[kind], params
+    _try_optimizer(optimizer, params)
+    return optimizer, params
+
+
+def _try_optimizer(optimizer: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> None:
+    """Build the optimizer once on a scratch parameter: a bad name or value fails here,
+    before any rank starts, with the key in the message."""
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"DeepSpeed optimizer.params {kwargs} are not valid for "
+            f"torch.optim.{optimizer.__name__}: {exc}"
+        ) from exc
+
+
+def _ds_scheduler(spec: Any, lr: float, warmup: int, steps: int) -> dict[str, Any]:
+    """A DeepSpeed ``scheduler`` section with every ``"auto"`` filled and every value checked."""
+    kind = spec.get("type")
+    if kind not in SCHEDULER_PARAMS:
+        raise ValueError(
+            f"DeepSpeed scheduler.type {kind!r} is not supported by this command; use one of "
+            f"{sorted(SCHEDULER_PARAMS)}"
+        )
+    params = spec.get("params", {})
+    if not isinstance(params, dict):
+        raise TypeError(f"DeepSpeed scheduler.params must be a mapping, got {params!r}")
+    # "auto" as the HF Trainer fills it: min lr 0, max lr the optimizer's, warmup and total
+    # steps from the run (--warmup, --steps).
+    auto = {
+        "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(1, warmup),
+        "total_num_steps": steps, "warmup_min_ratio": 0.0, "cos_min_ratio": 1e-4,
+        "warmup_type": "log",
+    }  # fmt: skip
+    resolved: dict[str, Any] = {}
+    for key, value in params.items():
+        label = f"DeepSpeed scheduler.params.{key}"
+        if key not in SCHEDULER_PARAMS[kind]:
+            raise ValueError(
+                f"{label} is not a parameter of {kind}: use {sorted(SCHEDULER_PARAMS[kind])}"
+            )
+        value = auto[key] if value == "auto" else value
+        if key == "warmup_type":
+            _check(value in ("log", "linear"), f"{label} must be 'log' or 'linear', got {value!r}")
+        elif key in ("warmup_num_steps", "total_num_steps"):
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{label} must be an integer >= 1, got {value!r}",
+            )
+        else:
+            _check(
+                isinstance(value, int | float) and not isinstance(value, bool)
+                and math.isfinite(value) and value >= 0,
+                f"{label} must be a finite number >= 0, got {value!r}",
+            )  # fmt: skip
+        resolved[key] = value
+    return {"type": kind, "params": resolved}
 
 
 def _check(condition: bool, message: str) -> None:
@@ -187,8 +308,48 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _batch_sizes(
+    args: argparse.Namespace, extras: dict[str, Any], world_size: int
+) -> tuple[int, int]:
+    """Micro batch and accumulation: flags win, then the DeepSpeed config (filled in as
+    DeepSpeed does from train_batch_size), then 8 and 1. "auto" means "not given"."""
+
+    def given(key: str) -> int | None:
+        value = extras.get(key)
+        return None if value in (None, "auto") else int(value)
+
+    micro = args.batch or given("train_micro_batch_size_per_gpu")
+    accumulation = args.accumulation or given("gradient_accumulation_steps")
+    total = given("train_batch_size")
+    if total is not None and (micro is None or accumulation is None):
+        known = (micro or 1) * (accumulation or 1) * world_size
+        _check(
+            total % known == 0,
+            f"DeepSpeed train_batch_size {total} is not a multiple of "
+            f"{'micro batch ' + str(micro) if micro else 'accumulation ' + str(accumulation or 1)}"
+            f" x world size {world_size}; fix the config or pass --batch/--accumulation",
+        )
+        if micro is None:
+            micro = total // known
+        else:
+            accumulation = total // known
+    micro, accumulation = micro or 8, accumulation or 1
+    if total is not None and args.batch is None and args.accumulation is None:
+        _check(
+            total == micro * accumulation * world_size,
+            f"DeepSpeed train_batch_size {total} != micro batch {micro} x accumulation "
+            f"{accumulation} x world size {world_size}; fix the config or pass "
+            "--batch/--accumulation",
+        )
+    return micro, accumulation
+
+
 def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
-    """Resolve flags and an optional DeepSpeed config (explicit flags win)."""
+    """Resolve flags and an optional DeepSpeed config (explicit flags win).
+
+    Everything is checked here, so the launcher can run it once before any rank starts;
+    an error names the flag or the DeepSpeed key.
+    """
     overrides: dict[str, Any] = {"backend": args.backend}
     if args.max_reuse_distance is not None:
         overrides["max_reuse_distance"] = int(args.max_reuse_distance)
@@ -204,38 +365,26 @@ def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
         extras = dict(config.extras)
     else:
         config = Zero3Config(**overrides)
-    batch = args.batch or int(extras.get("train_micro_batch_size_per_gpu", 8))
-    accumulation = args.accumulation or int(extras.get("gradient_accumulation_steps", 1))
-    total = extras.get("train_batch_size")
-    if total not in (None, "auto") and args.batch is None and args.accumulation is None:
-        _check(
-            int(total) == batch * accumulation * world_size,
-            f"DeepSpeed train_batch_size {total} != micro batch {batch} x accumulation "
-            f"{accumulation} x world size {world_size}; fix the config or pass "
-            "--batch/--accumulation",
-        )
-    optimizer, kwargs = torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)}
-    if "optimizer" in extras:
-        optimizer, kwargs = _ds_optimizer(extras["optimizer"])
+    for name, value in (("--steps", args.steps), ("--batch", args.batch),
+                        ("--accumulation", args.accumulation)):  # fmt: skip
+        _check(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+    _check(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
+    _check(args.lr is None or args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    batch, accumulation = _batch_sizes(args, extras, world_size)
+    optimizer, kwargs = torch.optim.AdamW, dict(DEFAULT_OPTIMIZER)
     if args.lr is not None:
         kwargs["lr"] = args.lr
-    scheduler = extras.get("scheduler")
-    if scheduler is not None and scheduler.get("type") not in SCHEDULERS:
-        raise ValueError(
-            f"DeepSpeed scheduler {scheduler.get('type')!r} is not supported; "
-            f"use one of {SCHEDULERS}"
-        )
+    if extras.get("optimizer") not in (None, "auto"):
+        optimizer, kwargs = _ds_optimizer(extras["optimizer"], args.lr)
+    scheduler = None
+    if extras.get("scheduler") not in (None, "auto"):
+        peak = kwargs.get("lr", 1e-3)
+        scheduler = _ds_scheduler(extras["scheduler"], peak, args.warmup, args.steps)
     dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
         config.param_dtype, "fp32"
     )  # type: ignore[arg-type]
-    for name, value in (
-        ("--steps", args.steps),
-        ("--batch", batch),
-        ("--accumulation", accumulation),
-    ):
-        _check(value >= 1, f"{name} must be >= 1, got {value}")
-    _check(args.warmup >= 0, f"--warmup must be >= 0, got {args.warmup}")
-    _check(kwargs.get("lr", 1.0) > 0, f"the learning rate must be > 0, got {kwargs.get('lr')}")
+    _check(args.save_every is None or args.save_every >= 1, "--save-every must be >= 1")
+    _check(args.save_every is None or args.save is not None, "--save-every needs --save DIR")
     return Settings(
         config, args.steps, batch, accumulation, optimizer, kwargs, scheduler, dtype, args.seed
     )
@@ -256,30 +405,57 @@ def lr_lambda(settings: Settings, warmup: int) -> Any:
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
         return default
-    params = spec.get("params", {})
-    kind = spec["type"]
-    n_warm = int(params.get("warmup_num_steps", 1000))
+    return _deepspeed_schedule(spec, peak, steps)
+
+
+def _deepspeed_schedule(spec: dict[str, Any], peak: float, steps: int) -> Any:
+    """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR as a multiplier of ``peak``.
+
+    Note:
+        DeepSpeed steps its scheduler after each optimizer step, so optimizer step ``k``
+        (from 0) runs with the scheduler at iteration ``k - 1``, and iteration ``-1`` is
+        the warmup's start (0 for the cosine schedule). Warmup lasts at least 2
+        iterations, rising as ``log(i + 1) / log(n)`` ("log", DeepSpeed's default) or
+        ``i / n`` ("linear").
+    """
+    params, kind = spec["params"], spec["type"]
+    n_warm = max(2, int(params.get("warmup_num_steps", 1000)))
     total = int(params.get("total_num_steps", steps))
+    log_warmup = params.get("warmup_type", "log") == "log"
+
+    def rising(i: int) -> float:
+        return math.log(i + 1) / math.log(n_warm) if log_warmup else i / n_warm
+
+    if kind == "WarmupCosineLR":
+        low, floor = (
+            float(params.get("warmup_min_ratio", 0.0)),
+            float(params.get("cos_min_ratio", 1e-4)),
+        )
+
+        def cosine(step: int) -> float:
+            i = step - 1
+            if i < 0:
+                return 0.0
+            if i < n_warm:
+                return low + (1.0 - low) * rising(i)
+            progress = min(1.0, (i - n_warm + 1) / max(1, total - n_warm))
+            return max(0.0, floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
+
+        return cosine
     low = float(params.get("warmup_min_lr", 0.0)) / peak
     high = float(params.get("warmup_max_lr", peak)) / peak
+    decay = kind == "WarmupDecayLR"
 
     def warm(step: int) -> float:
-        return low + (high - low) * min(1.0, (step + 1) / max(1, n_warm))
+        i = step - 1
+        if i < 0:
+            return low
+        if i < n_warm:
+            gamma = rising(i)
+        elif decay:
+            gamma = max(0.0, (total - i) / max(1.0, total - n_warm))
+        else:
+            gamma = 1.0
+        return low + (high - low) * gamma
 
-    if kind == "WarmupLR":
-        return warm
-    if kind == "WarmupDecayLR":
-        return lambda step: (
-            warm(step)
-            if step < n_warm
-            else high * max(0.0, (total - step) / max(1, total - n_warm))
-        )
-    ratio = float(params.get("cos_min_ratio", 1e-4))
-    return lambda step: (
-        warm(step)
-        if step < n_warm
-        else ratio
-        + (1 - ratio)
-        * 0.5
-        * (1 + math.cos(math.pi * min(1.0, (step - n_warm) / max(1, total - n_warm))))
-    )
+    return warm

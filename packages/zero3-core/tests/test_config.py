@@ -1,11 +1,10 @@
-import json
-import logging
+import math
 
 import pytest
 import torch
 from torch import nn
 
-from zero3.core import Zero3Config
+from zero3.core import ModulePath, Zero3Config
 
 
 def test_defaults_are_deepspeeds():
@@ -35,19 +34,42 @@ def test_frozen():
         ({"reduce_bucket_size": 0}, "reduce_bucket_size must be >= 1"),
         ({"sub_group_size": 1.5}, "sub_group_size must be a whole number"),
         ({"max_live_parameters": "big"}, "max_live_parameters must be an integer"),
-        ({"overlap_comm": 1}, "overlap_comm must be a bool"),
+        ({"overlap_comm": 1}, "overlap_comm must be true or false"),
         ({"grad_reduce_op": "allreduce"}, "'reduce_scatter' or 'all_reduce'"),
         ({"param_dtype": torch.int32}, "param_dtype must be a floating dtype"),
         ({"reduce_dtype": "half-ish"}, "reduce_dtype must be None"),
-        ({"gradient_clipping": 0}, "gradient_clipping must be > 0"),
+        ({"gradient_clipping": -1}, "gradient_clipping must be >= 0"),
+        ({"gradient_clipping": math.nan}, "gradient_clipping must be a finite number"),
+        ({"gradient_clipping": math.inf}, "gradient_clipping must be a finite number"),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping must be a number"),
+        ({"gradient_clipping": True}, "gradient_clipping must be a number"),
+        ({"loss_scale": math.nan}, "loss_scale must be a finite number"),
+        ({"loss_scale": -1}, "loss_scale must be >= 0"),
+        ({"loss_scale": math.inf}, "loss_scale must be a finite number"),
+        ({"min_loss_scale": 0}, "min_loss_scale must be > 0"),
+        ({"min_loss_scale": math.nan}, "min_loss_scale must be a finite number"),
         ({"timeout_s": 0}, "timeout_s must be > 0"),
+        ({"timeout_s": -5}, "timeout_s must be > 0"),
+        ({"timeout_s": math.nan}, "timeout_s must be a finite number"),
+        ({"timeout_s": math.inf}, "timeout_s must be a finite number"),
+        ({"timeout_s": 1e300}, "timeout_s must be at most"),
+        ({"prefetch_bucket_size": math.nan}, "prefetch_bucket_size must be a finite integer"),
+        ({"reduce_bucket_size": math.inf}, "reduce_bucket_size must be a finite integer"),
+        ({"sub_group_size": -math.inf}, "sub_group_size must be a finite integer"),
+        ({"max_reuse_distance": -1}, "max_reuse_distance must be >= 0"),
+        ({"initial_scale_power": -1}, "initial_scale_power must be >= 0"),
+        ({"hysteresis": 0}, "hysteresis must be >= 1"),
+        ({"sync_module_states": "false"}, "sync_module_states must be true or false"),
         ({"leaf_modules": (int,)}, "leaf_modules entries must be nn.Module subclasses"),
+        ({"leaf_modules": ("",)}, "leaf_modules entries must be nn.Module subclasses"),
+        ({"leaf_modules": 3}, "leaf_modules must be a tuple"),
         ({"extras": [1]}, "extras must be a mapping"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, match):
-    with pytest.raises((TypeError, ValueError), match=match):
+    with pytest.raises((TypeError, ValueError), match=match) as caught:
         Zero3Config(**kwargs)
+    assert f"Zero3Config.{next(iter(kwargs))}" in str(caught.value)
 
 
 def test_normalizes_values():
@@ -59,117 +81,18 @@ def test_normalizes_values():
     assert c.leaf_modules == (nn.Linear,)
 
 
-DS = {
-    "train_batch_size": 32,
-    "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 4,
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
-    "scheduler": {"type": "WarmupLR"},
-    "bf16": {"enabled": True},
-    "gradient_clipping": 1.0,
-    "zero_optimization": {
-        "stage": 3,
-        "stage3_prefetch_bucket_size": 1000,
-        "stage3_max_live_parameters": "auto",
-        "stage3_max_reuse_distance": 0,
-        "stage3_param_persistence_threshold": 10,
-        "reduce_bucket_size": 2000,
-        "contiguous_gradients": False,
-        "overlap_comm": False,
-        "sub_group_size": 300,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-}
+def test_clipping_zero_and_none_mean_off():
+    assert Zero3Config(gradient_clipping=0).gradient_clipping is None
+    assert Zero3Config(gradient_clipping=0.0).gradient_clipping is None
+    assert Zero3Config(gradient_clipping=None).gradient_clipping is None
+    assert Zero3Config(gradient_clipping=2).gradient_clipping == 2.0
 
 
-def test_from_deepspeed_maps_zero_keys_and_keeps_the_rest(tmp_path):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(DS))
-    for source in (DS, str(path), path):
-        c = Zero3Config.from_deepspeed(source)
-        assert c.prefetch_bucket_size == 1000
-        assert c.max_live_parameters == 1_000_000_000  # "auto" keeps the default
-        assert c.max_reuse_distance == 0
-        assert c.param_persistence_threshold == 10
-        assert c.reduce_bucket_size == 2000
-        assert not c.contiguous_gradients and not c.overlap_comm
-        assert c.sub_group_size == 300
-        assert c.param_dtype is torch.bfloat16
-        assert c.gradient_clipping == 1.0
-        assert dict(c.extras) == {
-            "train_batch_size": 32,
-            "train_micro_batch_size_per_gpu": 4,
-            "gradient_accumulation_steps": 4,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
-            "scheduler": {"type": "WarmupLR"},
-        }
-    with pytest.raises(TypeError):
-        c.extras["x"] = 1  # type: ignore[index]
-
-
-def test_from_deepspeed_overrides_win():
-    assert Zero3Config.from_deepspeed(DS, overlap_comm=True).overlap_comm
-
-
-def test_from_deepspeed_fp16_scaling():
-    ds = {
-        "zero_optimization": {"stage": 3},
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1},
-        "gradient_clipping": 0.0,
-    }
-    c = Zero3Config.from_deepspeed(ds)
-    assert c.param_dtype is torch.float16
-    assert c.loss_scale == 0 and c.initial_scale_power == 8 and c.hysteresis == 1
-    assert c.gradient_clipping is None
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_from_deepspeed_other_stages_are_refused(stage):
-    with pytest.raises(ValueError, match=r"stage is .*implements ZeRO stage 3 only"):
-        Zero3Config.from_deepspeed({"zero_optimization": {"stage": stage}})
-
-
-def test_from_deepspeed_unknown_key_is_named():
-    with pytest.raises(ValueError, match="stage3_prefetch_bucket_sise"):
-        Zero3Config.from_deepspeed(
-            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": 5}}
-        )
-
-
-@pytest.mark.parametrize(
-    ("key", "value", "feature"),
-    [
-        ("offload_optimizer", {"device": "cpu"}, "optimizer offload"),
-        ("offload_param", {"device": "nvme"}, "parameter offload"),
-        ("zero_quantized_weights", True, "ZeRO\\+\\+"),
-        ("zero_hpz_partition_size", 8, "hierarchical partitioning"),
-    ],
-)
-def test_from_deepspeed_missing_features_are_errors(key, value, feature):
-    with pytest.raises(ValueError, match=feature):
-        Zero3Config.from_deepspeed({"zero_optimization": {"stage": 3, key: value}})
-
-
-def test_from_deepspeed_switched_off_features_are_fine():
-    c = Zero3Config.from_deepspeed(
-        {
-            "zero_optimization": {
-                "stage": 3,
-                "offload_param": {"device": "none"},
-                "zero_hpz_partition_size": 1,
-            }
-        }
-    )
-    assert c.prefetch_bucket_size == 50_000_000
-
-
-def test_from_deepspeed_without_clipping_notes_deepspeeds_default(caplog):
-    with caplog.at_level(logging.WARNING, logger="zero3.core"):
-        c = Zero3Config.from_deepspeed({"zero_optimization": {"stage": 3}})
-    assert c.gradient_clipping is None
-    assert "DeepSpeed >= 0.19 would clip at 1.0" in caplog.text
-
-
-def test_from_deepspeed_needs_the_zero_section():
-    with pytest.raises(ValueError, match="no zero_optimization section"):
-        Zero3Config.from_deepspeed({"train_batch_size": 8})
+def test_leaf_modules_hold_classes_names_and_module_paths():
+    targets = (nn.Linear, "MoEBlock", ModulePath("layers.0.mlp"), ModulePath("mlp", suffix=True))
+    assert Zero3Config(leaf_modules=targets).leaf_modules == targets
+    assert Zero3Config(leaf_modules=ModulePath("a")).leaf_modules == (ModulePath("a"),)
+    with pytest.raises(TypeError, match=r"ModulePath\.path must be a non-empty module name"):
+        ModulePath("")
+    with pytest.raises(TypeError, match=r"ModulePath\.suffix must be a bool"):
+        ModulePath("a", suffix="yes")  # type: ignore[arg-type]

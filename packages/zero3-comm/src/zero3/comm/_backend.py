@@ -106,6 +106,23 @@ class CommBackend(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement duplicate()")
 
+    def host_channel(self) -> CommBackend | None:
+        """A backend over the same ranks that moves host (CPU) tensors, for small
+        control messages that must never wait for a device stream; None if this
+        backend cannot provide one.
+
+        Every rank of the group must call it, in the same order. The default is a
+        :meth:`duplicate` for host backends and None for device backends; device
+        backends built on ``torch.distributed`` open a gloo group beside themselves.
+        The caller owns the result (and closes it).
+        """
+        if self.device_type != "cpu":
+            return None
+        try:
+            return self.duplicate()
+        except NotImplementedError:
+            return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
@@ -202,6 +219,7 @@ class CommBackend(abc.ABC):
                 )
         send = torch.cat([t.reshape(-1) for t in inputs])
         recv = send.new_empty(send.numel() * self.world_size)
+        self._after_packing(stream)
         work = self.all_gather(recv, send, stream=stream)
 
         def unpack() -> None:
@@ -235,6 +253,7 @@ class CommBackend(abc.ABC):
                 )
         send = torch.cat([t.reshape(self.world_size, -1) for t in inputs], dim=1)
         recv = send.new_empty(sum(sizes))
+        self._after_packing(stream)
         work = self.reduce_scatter(recv, send.view(-1), op=op, stream=stream)
 
         def unpack() -> None:
@@ -242,6 +261,16 @@ class CommBackend(abc.ABC):
                 out.view(-1).copy_(chunk)
 
         return ThenWork(work, unpack)
+
+    def _after_packing(self, stream: Stream | None) -> None:
+        """Order ``stream`` after the packing just queued on the current stream.
+
+        The coalesced defaults pack with ``torch.cat`` on the caller's current stream;
+        a collective issued on another stream must not start before that copy has run
+        (on a GPU it would send a buffer whose packing kernel is still queued).
+        """
+        if stream is not None:
+            stream.wait_stream(self.current_stream())
 
     # -- primitives subclasses implement ----------------------------------------
 

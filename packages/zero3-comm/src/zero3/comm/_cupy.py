@@ -2,7 +2,8 @@
 
 Note:
     cupy is imported lazily, never when ``zero3.comm`` is imported: it is a large
-    optional dependency, and without a GPU it imports but cannot allocate (NOTES.md).
+    optional dependency, and without a GPU it imports but cannot allocate (see
+    "Optional accelerator libraries" in docs/facts.rst).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
+from zero3.comm._registry import local_device_index
 from zero3.comm._stream import Event, HostStream, Stream, TorchDeviceStream
 from zero3.comm._types import (
     FLOAT_DTYPES,
@@ -279,7 +281,8 @@ class CupyNCCLBackend(CommBackend):
         store: A torch.distributed ``Store`` (``FileStore``, ``TCPStore``) for the exchange.
         rank: This process's rank (with ``store``).
         world_size: Number of ranks (with ``store``).
-        device: CUDA device index (default: ``LOCAL_RANK`` if set, else the current one).
+        device: CUDA device index (default: the local rank, from ``LOCAL_RANK`` or the MPI
+            launcher, never the global rank; else the current device).
         timeout_s: Bound for the id exchange and for host-side waits.
 
     Note:
@@ -296,12 +299,7 @@ class CupyNCCLBackend(CommBackend):
 
     name = "cupy-nccl"
     device_type = "cuda"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     def __init__(
         self,
@@ -331,12 +329,7 @@ class CupyNCCLBackend(CommBackend):
         dtypes = FLOAT_DTYPES | INT_DTYPES
         if self._bf16 is None:
             dtypes = dtypes - {torch.bfloat16}
-        self.capabilities = Capabilities(
-            native_reduce_scatter=True,
-            reduce_dtypes=dtypes,
-            needs_progress_helper=False,
-            async_host=True,
-        )
+        self.capabilities = Capabilities(reduce_dtypes=dtypes)
         with self._cupy.cuda.Device(self._index):
             self._comm: Any = self._nccl.NcclCommunicator(world_size, unique_id, rank)
             self._stream: Any = self._cupy.cuda.Stream(non_blocking=True)
@@ -376,9 +369,8 @@ class CupyNCCLBackend(CommBackend):
             return device.index if device.index is not None else torch.cuda.current_device()
         if device is not None:
             return int(device)
-        if "LOCAL_RANK" in os.environ:
-            return int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
-        return torch.cuda.current_device()
+        local = local_device_index(torch.cuda.device_count(), CupyNCCLBackend.name)
+        return torch.cuda.current_device() if local is None else local
 
     def _rendezvous(
         self,

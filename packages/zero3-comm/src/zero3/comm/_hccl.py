@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from zero3.comm._registry import local_device_index
 from zero3.comm._torch_dist import TorchDistBackend
-from zero3.comm._types import FLOAT_DTYPES, INT_DTYPES, Capabilities
+from zero3.comm._types import BackendUnavailableError, Capabilities
 
 __all__ = ["HCCLBackend", "import_torch_npu"]
 
@@ -25,8 +27,9 @@ def import_torch_npu() -> ModuleType:
     Note:
         ``importlib.util.find_spec("torch_npu")`` is truthy even when the import fails
         (without CANN, loading ``libhccl.so`` raises), so availability is decided by
-        actually importing it, and never at module import time (NOTES: an installed
-        torch_npu without CANN breaks ``import torch`` unless autoloading is off).
+        actually importing it, and never at module import time (an installed torch_npu
+        without CANN breaks ``import torch`` unless autoloading is off: see "Optional
+        accelerator libraries" in docs/facts.rst).
     """
     try:
         return importlib.import_module("torch_npu")
@@ -46,17 +49,19 @@ class HCCLBackend(TorchDistBackend):
     Streams and events are NPU streams (``torch.npu.Stream``); ``Work.wait(stream)``
     makes the consumer stream wait without a host sync, as with NCCL. torch_npu is
     imported only when the backend is asked for.
+
+    Args:
+        group: As for :class:`~zero3.comm.TorchDistBackend`.
+        device: The NPU of this rank. Default: ``npu:LOCAL_RANK`` (the rank on this
+            node, never the global rank), or the current NPU when no launcher set one;
+            it becomes the current device before any process group exists.
+        **kwargs: ``timeout_s``, ``init_method``, ``rank``, ``world_size``.
     """
 
     name = "hccl"
     device_type = "npu"
     dist_backend = "hccl"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -69,11 +74,27 @@ class HCCLBackend(TorchDistBackend):
             return "torch_npu imported but no Ascend NPU is visible (torch.npu.is_available())"
         return None
 
-    def _before_init(self) -> None:
-        import_torch_npu()
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: int | torch.device | None = None,
+        **kwargs: Any,
+    ) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"the hccl backend cannot run here: {reason}")
         npu = torch.get_device_module("npu")  # registered by torch_npu
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        npu.set_device(local_rank % npu.device_count())
+        if isinstance(device, torch.device):
+            device = device.index
+        if device is None:
+            device = local_device_index(npu.device_count(), self.name)
+        self._index = int(npu.current_device()) if device is None else int(device)
+        npu.set_device(self._index)
+        super().__init__(group, **kwargs)
+
+    def _options(self) -> dict[str, Any]:
+        return {"device": self._index}
 
     def device(self) -> torch.device:
-        return torch.device("npu", torch.get_device_module("npu").current_device())
+        return torch.device("npu", self._index)

@@ -24,7 +24,6 @@ from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
     FLOAT_DTYPES,
-    INT_DTYPES,
     Capabilities,
     CommError,
     CommTimeoutError,
@@ -150,12 +149,13 @@ def _bf16_op(mpi: Any, op: ReduceOp) -> Any:
     """The user-defined MPI op that reduces uint16 storage as bfloat16.
 
     Note:
-        The built-in ``MPI.SUM`` on the uint16 view adds the bit patterns (garbage),
-        and passing bf16 bytes as-is is an error or NaN (NOTES.md). The op reads the
-        buffers as bf16 through torch, whose bf16 arithmetic computes in fp32 and rounds
-        to nearest-even: each pairwise step rounds exactly as gloo's bf16 reduction
-        does, so results match gloo bit for bit wherever gloo's result is exact (and
-        differ only by summation order otherwise).
+        The built-in ``MPI.SUM`` on the uint16 view adds the bit patterns (garbage), and
+        bf16 has no MPI datatype: passing bf16 bytes as-is is an error under MPICH and
+        NaN under Open MPI (docs/facts.rst). The op reads the buffers as bf16 through
+        torch, whose bf16 arithmetic computes in fp32 and rounds to nearest-even: each
+        pairwise step rounds exactly as gloo's bf16 reduction does, so results match
+        gloo bit for bit wherever gloo's result is exact (and differ only by summation
+        order otherwise).
     """
     with _Ops.lock:
         created = _Ops.bf16.get(op)
@@ -420,24 +420,20 @@ class MPIBackend(CommBackend):
 
     Note:
         MPI libraries make no progress on outstanding non-blocking collectives unless
-        something calls into MPI (NOTES.md): without help an ``Iallgather`` does most of
-        its work inside ``Wait()``. A daemon thread, started with the first collective,
-        therefore polls the outstanding requests while the caller computes. Calling MPI
-        from a second thread needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default request);
-        when the library provides less, the backend runs without the thread, polls only
-        from the calling thread, and reports ``capabilities.async_host = False``. All
-        MPI calls of one backend are serialized by one lock, so at most one thread
-        completes a given request.
+        something calls into MPI: without help an ``Iallgather`` does most of its work
+        inside ``Wait()`` (``test_progress_needs_the_thread`` in
+        ``tests/mpi/test_mpi_backend.py`` shows it). A daemon thread, started with the
+        first collective, therefore polls the outstanding requests while the caller
+        computes. Calling MPI from a second thread needs ``MPI_THREAD_MULTIPLE``
+        (mpi4py's default request); when the library provides less, the backend runs
+        without the thread, polls only from the calling thread, and reports
+        ``capabilities.async_host = False``. All MPI calls of one backend are serialized
+        by one lock, so at most one thread completes a given request.
     """
 
     name = "mpi"
     device_type = "cpu"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=True,
-        async_host=True,
-    )
+    capabilities = Capabilities(needs_progress_helper=True)
     #: Sleep between two polls of the progress thread while requests are outstanding.
     progress_interval_s: ClassVar[float] = 50e-6
 

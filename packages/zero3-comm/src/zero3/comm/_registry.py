@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm._backend import CommBackend
+from zero3.comm._launch import launched_by_mpi
 from zero3.comm._types import BackendUnavailableError, UnknownBackendError
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "default_device_type",
     "hookimpl",
     "hookspec",
+    "local_device_index",
+    "local_rank",
     "registered_backends",
 ]
 
@@ -40,7 +43,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 hookspec = pluggy.HookspecMarker(PROJECT)
 
 _DEFAULT_BY_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+#: Where launchers put a process's rank *on its node*, most specific first: torchrun (and
+#: zero3's own launchers), Open MPI, MPICH's hydra, Slurm's srun.
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 
 class BackendRegistry:
@@ -184,6 +189,55 @@ def default_device_type() -> str:
     return "cpu"
 
 
+def local_rank() -> tuple[int, str] | None:
+    """This process's rank on its node, and the variable it was read from; None if no
+    launcher said (a single process, or a launcher that sets none of them).
+
+    Note:
+        Device choice and anything kept per node must use this, never the global
+        ``RANK``: on the second node of two with 8 GPUs each, global ranks 8-15 are
+        local ranks 0-7.
+    """
+    for var in _LOCAL_RANK_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value), var
+    return None
+
+
+def local_device_index(device_count: int, backend: str) -> int | None:
+    """The accelerator index this process should use, from its local rank.
+
+    Args:
+        device_count: Devices visible to this process.
+        backend: The backend asking (for the error message).
+
+    Returns:
+        The local rank when it names a visible device; 0 when the process sees a single
+        device (a launcher gave each rank its own, e.g. ``CUDA_VISIBLE_DEVICES`` per rank);
+        None when no launcher set a local rank (the caller keeps the current device).
+
+    Raises:
+        ValueError: The local rank has no device of its own: more ranks were started on
+            this node than it has visible devices (two ranks on one device would fail
+            later inside NCCL/HCCL, or silently share it).
+    """
+    found = local_rank()
+    if found is None:
+        return None
+    rank, var = found
+    if device_count == 1:
+        return 0
+    if 0 <= rank < device_count:
+        return rank
+    raise ValueError(
+        f"zero3.comm {backend}: this process is local rank {rank} ({var}={rank}) but only "
+        f"{device_count} devices are visible on its node; start at most {device_count} "
+        f"ranks per node (torchrun --nproc-per-node {device_count}), or give each rank "
+        "its own device (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES)"
+    )
+
+
 def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
     device_type = default_device_type()
     chosen = manager.hook.zero3_comm_default_backend(device_type=device_type)
@@ -191,7 +245,7 @@ def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
         return str(chosen)
     if device_type == "cpu" and not dist.is_initialized():
         # Under mpiexec with no torch launcher variables, MPI is the only rendezvous.
-        under_mpi = any(v in os.environ for v in _MPI_LAUNCH_VARS)
+        under_mpi = launched_by_mpi()
         has_torch_env = all(v in os.environ for v in ("MASTER_ADDR", "MASTER_PORT"))
         mpi_ok = "mpi" in registry.names() and registry.get("mpi").is_available()
         if under_mpi and not has_torch_env and mpi_ok:
@@ -199,14 +253,13 @@ def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:
     return _DEFAULT_BY_DEVICE.get(device_type, "gloo")
 
 
-def create_backend(name: str = "auto", **options: Any) -> CommBackend:
-    """Build a ready backend instance from a registered name.
+def backend_class(name: str = "auto") -> type[CommBackend]:
+    """The backend class ``name`` resolves to, checked to be usable here.
 
     Args:
         name: A registered name (:func:`registered_backends`) or ``"auto"``: a plugin's
             ``zero3_comm_default_backend`` answer if any, else ``nccl`` on CUDA, ``hccl``
             on Ascend NPU, ``gloo`` on CPU (``mpi`` when launched by ``mpiexec`` alone).
-        **options: Passed to the backend's constructor, e.g. ``timeout_s=60``.
 
     Raises:
         UnknownBackendError: ``name`` is not registered (the message lists those that are).
@@ -222,4 +275,18 @@ def create_backend(name: str = "auto", **options: Any) -> CommBackend:
             f"comm backend {resolved!r} is not available here: {reason}. "
             f"Available backends: {available}"
         )
-    return cls(**options)
+    return cls
+
+
+def create_backend(name: str = "auto", **options: Any) -> CommBackend:
+    """Build a ready backend instance from a registered name.
+
+    Args:
+        name: As for :func:`backend_class`.
+        **options: Passed to the backend's constructor, e.g. ``timeout_s=60``.
+
+    Raises:
+        UnknownBackendError: ``name`` is not registered (the message lists those that are).
+        BackendUnavailableError: The backend cannot run here (the message says why).
+    """
+    return backend_class(name)(**options)

@@ -5,20 +5,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import logging
+import math
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from zero3.comm import _teardown
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
+from zero3.comm._launch import TORCH_LAUNCH_VARS, launched_by_mpi, launched_by_torch
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
-    FLOAT_DTYPES,
-    INT_DTYPES,
     Capabilities,
     CommError,
     CommTimeoutError,
@@ -26,11 +29,15 @@ from zero3.comm._types import (
 )
 from zero3.comm._work import ThenWork, Work
 
-__all__ = ["GlooBackend", "TorchDistBackend", "TorchWork", "launcher_env_present"]
+__all__ = ["GlooBackend", "TorchDistBackend", "TorchWork"]
 
 _log = logging.getLogger(__name__)
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARS = TORCH_LAUNCH_VARS
+
+# A backend looks for finished works among its pending ones once this many are listed
+# (works nobody waits for would otherwise stay listed, buffers and all, until exit).
+_PRUNE_PENDING_AT = 16
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -48,14 +55,6 @@ _reduce_scatter_flat: Callable[..., Any] = getattr(
 )
 
 
-def launcher_env_present() -> bool:
-    """Return True if a torch launcher (torchrun, the test harness...) set the rendezvous env."""
-    return all(v in os.environ for v in _LAUNCH_VARS)
-
-
-_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-
-
 def _refuse_partial_launch(backend: str) -> None:
     """A launcher ran this process, but not with torch's rendezvous variables: a world of
     one here would silently train N separate models, so say what is missing instead.
@@ -66,7 +65,7 @@ def _refuse_partial_launch(backend: str) -> None:
             f"zero3.comm {backend}: the rendezvous environment is incomplete (missing "
             f"{', '.join(missing)}); torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-    if any(v in os.environ for v in _MPI_LAUNCH_VARS):
+    if launched_by_mpi():
         raise ValueError(
             f"zero3.comm {backend}: this process was started by mpiexec but "
             f"{', '.join(missing)} are not set, so the ranks cannot meet over "
@@ -76,39 +75,114 @@ def _refuse_partial_launch(backend: str) -> None:
         )
 
 
-class TorchWork(Work):
-    """A torch.distributed ``Work`` with a bounded host wait and errors naming the collective."""
+def _import_before_init() -> None:
+    """Import ``torch.distributed.nn`` before the default group exists.
 
-    def __init__(self, work: Any, description: str, timeout_s: float, device_type: str) -> None:
-        self._work = work
+    Note:
+        ``torch.distributed.nn.functional`` (torch 2.13) declares ten functions with
+        ``group=group.WORLD`` as a default argument, evaluated when the module is first
+        imported. Imported after ``init_process_group`` (constructing any torch
+        optimizer imports it, through ``torch._dynamo``), it stores the default group in
+        those defaults for good: ``destroy_process_group()`` then unregisters the group
+        but never frees it, so its gloo worker threads live on into interpreter
+        finalization, where they can abort the process (see
+        ``zero3.comm._teardown``). Imported first, the defaults are None. The import
+        costs about 20 ms.
+    """
+    with contextlib.suppress(ImportError):  # a torch build without it has nothing to fix
+        importlib.import_module("torch.distributed.nn")
+
+
+class TorchWork(Work):
+    """A torch.distributed ``Work`` with a bounded host wait and errors naming the collective.
+
+    Note:
+        The torch ``Work`` (and through it the collective's tensors) is dropped as soon as
+        the collective is known to be complete, so nothing zero3 holds keeps a finished
+        collective's buffers alive. Until then the work is also listed in its backend's
+        ``pending`` table, which the exit handler uses to wait for collectives nobody
+        waited for (see ``zero3.comm._teardown``).
+    """
+
+    def __init__(
+        self,
+        work: Any,
+        description: str,
+        timeout_s: float,
+        device_type: str,
+        pending: dict[int, TorchWork] | None = None,
+    ) -> None:
+        self._work: Any = work
         self._description = description
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout = _timedelta(timeout_s)
         self._device_type = device_type
         self._done = False
+        self._pending = pending
+        if pending is not None:
+            pending[id(self)] = self
 
     def wait(self, stream: Stream | None = None) -> None:
-        if self._done:
+        work = self._work
+        if self._done or work is None:
             return
         try:
             if self._device_type == "cpu":
-                self._work.wait(timeout=self._timeout)
+                work.wait(timeout=self._timeout)
             elif stream is None:
                 # Device backends: wait() makes the current stream wait, no host sync.
-                self._work.wait()
+                work.wait()
             else:
                 with stream.use():
-                    self._work.wait()
+                    work.wait()
         except RuntimeError as exc:
             message = str(exc)
             kind = CommTimeoutError if "imed out" in message or "imeout" in message else CommError
             raise kind(f"{self._description} failed: {message.strip().splitlines()[0]}") from exc
         self._done = True
+        if self._device_type == "cpu":  # the data is here: the collective is over
+            self._drop()
 
     def is_completed(self) -> bool:
-        # On devices wait() only orders streams; the collective may still be running.
-        if self._done and self._device_type == "cpu":
+        work = self._work
+        if work is None:
             return True
-        return bool(self._work.is_completed())
+        # On devices wait() only orders streams; the collective may still be running.
+        if not work.is_completed():
+            return False
+        self._untrack()
+        if self._done:
+            self._drop()
+        return True
+
+    def settle(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) for the collective to end,
+        raising nothing; True if it has ended, successfully or not.
+        """
+        while not self.is_completed():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            work = self._work
+            if self._device_type != "cpu" or work is None:
+                time.sleep(min(remaining, 0.01))
+                continue
+            with contextlib.suppress(RuntimeError):  # a timeout, or the collective failed
+                work.wait(timeout=_timedelta(remaining))
+        return True
+
+    def _untrack(self) -> None:
+        if self._pending is not None:
+            self._pending.pop(id(self), None)
+            self._pending = None
+
+    def _drop(self) -> None:
+        self._untrack()
+        self._work = None
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    """A torch wait timeout: whole milliseconds, at least one (zero means no timeout)."""
+    return datetime.timedelta(milliseconds=max(1, math.ceil(seconds * 1000)))
 
 
 class TorchDistBackend(CommBackend):
@@ -119,7 +193,8 @@ class TorchDistBackend(CommBackend):
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as torchrun sets them) or from
     ``init_method``/``rank``/``world_size``. With none of those, it makes a world of
     one process so single-process scripts run unchanged. A group created here is
-    destroyed by :meth:`close`.
+    destroyed by :meth:`close`, or at interpreter exit if the program never closed the
+    backend (``zero3.comm._teardown`` explains why that matters for gloo).
 
     Note:
         Every collective is issued with ``async_op=True``. On CPU the host waits with the
@@ -146,13 +221,39 @@ class TorchDistBackend(CommBackend):
         self._owns_group = False  # the default group, created here
         self._owns_subgroup = False  # a group created by duplicate()
         self._tmp_store: str | None = None
+        # Collectives issued and not yet known to be complete (see TorchWork).
+        self._pending: dict[int, TorchWork] = {}
         if group is None:
             if not dist.is_initialized():
                 self._init_default_group(timeout_s, init_method, rank, world_size)
             group = dist.group.WORLD
         assert group is not None
-        self.group = group
+        self._group: dist.ProcessGroup | None = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout_s=timeout_s)
+        _teardown.track(self)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group the collectives run on.
+
+        Raises:
+            CommError: The backend was closed (by :meth:`close` or at interpreter exit).
+        """
+        if self._group is None:
+            raise self._closed_error(f"{self.name} backend (rank {self.rank} of {self.world_size})")
+        return self._group
+
+    @staticmethod
+    def _closed_error(what: str) -> CommError:
+        return CommError(
+            f"{what}: the backend is closed (by close() or at interpreter exit); "
+            "create a new backend"
+        )
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group, or None once the backend is closed."""
+        return self._group
 
     def _init_default_group(
         self,
@@ -170,7 +271,7 @@ class TorchDistBackend(CommBackend):
                     f"(got rank={rank}, world_size={world_size})"
                 )
             kwargs.update(init_method=init_method or "env://", rank=rank, world_size=world_size)
-        elif launcher_env_present():
+        elif launched_by_torch():
             kwargs.update(init_method="env://")
         else:
             _refuse_partial_launch(self.name)
@@ -180,8 +281,11 @@ class TorchDistBackend(CommBackend):
             kwargs.update(init_method=f"file://{self._tmp_store}", rank=0, world_size=1)
             _log.info("zero3.comm: no launcher environment; running as a world of 1 process")
         self._before_init()
+        _import_before_init()
         dist.init_process_group(**kwargs)
         self._owns_group = True
+        assert dist.group.WORLD is not None
+        _teardown.created_default(dist.group.WORLD)
 
     def _before_init(self) -> None:
         """Hook for device backends (select the local device before init)."""
@@ -201,29 +305,72 @@ class TorchDistBackend(CommBackend):
             collective over the world) and may be destroyed by :meth:`close`; a duplicate
             of a subgroup keeps the local name and lives until the world is destroyed.
         """
+        group, whole_world = self._new_group(self.dist_backend)
+        twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
+        twin._owns_subgroup = whole_world
+        return twin
+
+    def _new_group(self, backend: str) -> tuple[dist.ProcessGroup, bool]:
+        """A new group over this backend's ranks (see :meth:`duplicate`'s Note)."""
         ranks = dist.get_process_group_ranks(self.group)
         whole_world = len(ranks) == dist.get_world_size()
         group = dist.new_group(
             ranks=ranks,
             timeout=datetime.timedelta(seconds=self.timeout_s),
-            backend=self.dist_backend,
+            backend=backend,
             use_local_synchronization=not whole_world,
         )
-        twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
-        twin._owns_subgroup = whole_world
-        return twin
+        # Recorded either way: at exit the program is over, so even a local-name group
+        # can be destroyed (nothing will make it again).
+        _teardown.created_group(group)
+        return group, whole_world
+
+    def host_channel(self) -> CommBackend | None:
+        """A gloo group over the same ranks: a duplicate for gloo itself, a gloo group
+        beside the device group for NCCL and HCCL (host tensors never wait for a device
+        stream). None where this torch build has no gloo.
+        """
+        if self.device_type == "cpu":
+            return super().host_channel()
+        if not dist.is_gloo_available():
+            return None
+        group, whole_world = self._new_group("gloo")
+        channel = GlooBackend(group=group, timeout_s=self.timeout_s)
+        channel._owns_subgroup = whole_world
+        return channel
 
     def _options(self) -> dict[str, Any]:
         """Constructor options a duplicate must repeat (subclasses extend it)."""
         return {}
 
     def close(self) -> None:
-        if self._owns_subgroup and dist.is_initialized():
-            dist.destroy_process_group(self.group)
-        self._owns_subgroup = False
-        if self._owns_group and dist.is_initialized():
+        """Destroy the group this backend created, if any, and close the backend.
+
+        A closed backend drops its reference to its group (so a destroyed group is freed
+        now, not when the interpreter finalizes) and refuses further collectives.
+        """
+        group = self._group
+        if self._owns_subgroup and group is not None and dist.is_initialized():
+            with contextlib.suppress(ValueError):  # the user destroyed it already
+                dist.destroy_process_group(group)
+        if self._owns_group and group is not None and dist.group.WORLD is group:
             dist.destroy_process_group()
-            self._owns_group = False
+        if (self._owns_subgroup or self._owns_group) and group is not None:
+            _teardown.forget_group(group)  # this backend's group is the one it created
+        self._owns_subgroup = self._owns_group = False
+        self.release()
+
+    def settle(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) for collectives nobody waited
+        for; True if none is still running. Used by the exit handler.
+        """
+        return all([work.settle(deadline) for work in list(self._pending.values())])
+
+    def release(self) -> None:
+        """Close without destroying anything: forget outstanding works and the group."""
+        self._pending.clear()
+        self._group = None
+        _teardown.untrack(self)
         if self._tmp_store is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp_store)
@@ -239,6 +386,11 @@ class TorchDistBackend(CommBackend):
         launch: Callable[[], Any],
     ) -> Work:
         description = self.describe(what, *tensors)
+        if self._group is None:
+            raise self._closed_error(description)
+        if len(self._pending) >= _PRUNE_PENDING_AT:
+            for pending in list(self._pending.values()):
+                pending.is_completed()  # drops the finished ones from the table
         try:
             if stream is None:
                 work = launch()
@@ -247,7 +399,7 @@ class TorchDistBackend(CommBackend):
                     work = launch()
         except RuntimeError as exc:
             raise CommError(f"{description} failed to start: {exc}") from exc
-        return TorchWork(work, description, self.timeout_s, self.device_type)
+        return TorchWork(work, description, self.timeout_s, self.device_type, self._pending)
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, stream: Stream | None) -> Work:
         return self._issue(
@@ -342,12 +494,7 @@ class GlooBackend(TorchDistBackend):
     name = "gloo"
     device_type = "cpu"
     dist_backend = "gloo"
-    capabilities = Capabilities(
-        native_reduce_scatter=True,
-        reduce_dtypes=FLOAT_DTYPES | INT_DTYPES,
-        needs_progress_helper=False,
-        async_host=True,
-    )
+    capabilities = Capabilities()  # native reduce-scatter, every float and int dtype
 
     def __init__(
         self,

@@ -47,8 +47,8 @@ class Capabilities:
 
     Attributes:
         native_reduce_scatter: The backend has a real reduce-scatter. When False, core's
-            gradient path uses all-reduce followed by a local slice (the seed's §5.2
-            path), which moves twice the bytes.
+            gradient path all-reduces each bucket's whole buffer and keeps this rank's
+            region of it, which moves twice the bytes.
         reduce_dtypes: dtypes the backend can reduce (sum/avg/max/min). Gathers and
             broadcasts move bytes and accept any dtype.
         needs_progress_helper: Outstanding requests only advance while something polls

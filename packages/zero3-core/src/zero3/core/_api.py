@@ -13,7 +13,13 @@ from zero3.core._coordinator import GATHERED_PARAMETERS
 from zero3.core._params import ShardedParam
 from zero3.core._state import ShardedModelState, add_pending_external, state_of
 
-__all__ = ["full_grad", "gathered_parameters", "local_grad", "register_external_parameter"]
+__all__ = [
+    "full_grad",
+    "gathered_parameters",
+    "local_grad",
+    "register_external_parameter",
+    "sharded_param",
+]
 
 
 def _by_state(
@@ -72,9 +78,7 @@ def _broadcast_edits(state: ShardedModelState, sps: list[ShardedParam], src: int
             flat = torch.cat([sp.param.detach().reshape(-1) for sp in group])
             state.comm.broadcast(flat, src=src).wait()
             for sp, part in zip(group, flat.split([sp.numel for sp in group]), strict=True):
-                _params.write_full(sp.param, part)
-                start, stop = sp.valid_range(sp.rank)
-                sp.shard[: stop - start].copy_(part[start:stop])
+                state.write_full(sp, part)
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
@@ -104,7 +108,7 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     buffer (in the reduce dtype), valid until the next backward or optimizer step.
     """
     sp = _params.require(param, "zero3.core.local_grad")
-    shard = state_of(param).reducer.grad_shard(sp)
+    shard = state_of(param).grad_shard(sp)
     return None if shard is None else shard[: sp.local_numel]
 
 
@@ -115,11 +119,11 @@ def full_grad(param: torch.Tensor) -> torch.Tensor | None:
     Returns None when no rank produced a gradient in the current window.
     """
     sp = _params.require(param, "zero3.core.full_grad")
-    state = state_of(param)
-    shard = state.reducer.grad_shard(sp)
-    if shard is None:
-        return None
-    out = torch.empty(sp.padded_numel, dtype=shard.dtype, device=shard.device)
-    state.grad_comm.all_gather(out, shard.contiguous()).wait()
-    state.stats.current.other_collectives += 1
-    return out[: sp.numel].view(sp.shape)
+    return state_of(param).full_grad(sp)
+
+
+def sharded_param(tensor: torch.Tensor) -> ShardedParam | None:
+    """The partitioned state of a parameter of a sharded module, or None for any other
+    tensor (zero3 keeps it in a side table; nothing is attached to the tensor).
+    """
+    return _params.lookup(tensor)

@@ -1,4 +1,4 @@
-"""Gradient buckets with membership fixed at setup (seed §3.1, §5.1, §5.2).
+"""Gradient buckets: membership fixed at setup, rank-major flat buffers.
 
 Note (same reductions whatever the data):
     Bucket membership comes from a deterministic parameter order (reverse
@@ -18,19 +18,21 @@ Note (reduction fingerprints):
     not, so a rank whose bucket plan differs (or a forced arrival-order plan) is caught
     at the epilogue, before any optimizer step uses the mixed gradients.
 
-Note (rank-major layout, §5.2):
-    A bucket's flat buffer holds ``N`` regions of ``S`` elements; region ``r`` is
-    chunk ``r`` of every member's padded gradient. One reduce-scatter then leaves each
-    rank exactly its shard of every member, contiguous, in the order of the rank's
-    gradient-partition buffer, so on the first micro-step it is reduced straight into
-    that buffer (the seed's ``copy_``) and on later ones into a scratch region that is
-    added (``add_``). The all-reduce fallback reduces the whole buffer and slices
-    region ``rank`` out: twice the bytes, kept for backends without reduce-scatter.
+Note (rank-major layout):
+    A bucket's flat buffer holds ``N`` regions of ``S`` elements; region ``r`` is chunk
+    ``r`` of every member's padded gradient. One reduce-scatter then leaves each rank
+    exactly its shard of every member, contiguous, in the order of the rank's
+    gradient-partition buffer, so on the first micro-step of a window it is reduced
+    straight into that buffer (overwriting the last window's shards: no zeroing pass)
+    and on later ones into a scratch region that is added (``add_``). The all-reduce
+    fallback reduces the whole buffer and slices region ``rank`` out: twice the bytes,
+    kept for backends without reduce-scatter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,7 +40,7 @@ import torch
 from zero3.core._params import ShardedParam
 from zero3.core._pool import BufferPool
 
-__all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "plan_buckets"]
+__all__ = ["FINGERPRINT_SLOTS", "GradBucket", "fingerprint_bits", "padded_flat", "plan_buckets"]
 
 #: Elements at the end of every rank region that carry the bucket key's bits.
 FINGERPRINT_SLOTS = 16
@@ -47,9 +49,32 @@ FINGERPRINT_SLOTS = 16
 def fingerprint_bits(
     key: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype)."""
+    """The 16 bits of ``key`` as 0.0/1.0 values (exact in every floating dtype).
+
+    Cached per (key, dtype, device) and read-only: on an accelerator, building it
+    from Python values is a blocking host-to-device copy, which every bucket of every
+    backward would otherwise pay.
+    """
+    return _fingerprint_bits(key, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint_bits(key: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     bits = [(key >> i) & 1 for i in range(FINGERPRINT_SLOTS)]
-    return torch.tensor(bits, dtype=dtype, device=device)
+    with torch.inference_mode(False):
+        return torch.tensor(bits, dtype=dtype, device=device)
+
+
+def padded_flat(
+    sp: ShardedParam, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``grad`` flattened and zero-padded to ``sp.padded_numel`` elements, in ``dtype``
+    (all zeros when ``grad`` is None: a member that got no gradient reduces as zeros).
+    """
+    out = torch.zeros(sp.padded_numel, dtype=dtype, device=device)
+    if grad is not None:
+        out[: sp.numel].copy_(grad.reshape(-1))
+    return out
 
 
 @dataclasses.dataclass(eq=False)
@@ -168,15 +193,6 @@ class GradBucket:
                 self.slot(position).zero_()
         return self.flat
 
-    def padded_grad(self, position: int, device: torch.device) -> torch.Tensor:
-        """A member's gradient padded to ``N * s`` elements (zeros if it got none)."""
-        sp = self.params[position]
-        grad = self.grads.get(sp.index)
-        out = torch.zeros(sp.padded_numel, dtype=self.dtype, device=device)
-        if grad is not None:
-            out[: sp.numel].copy_(grad.reshape(-1))
-        return out
-
 
 def plan_buckets(
     params: Sequence[ShardedParam],
@@ -188,7 +204,9 @@ def plan_buckets(
 
     A bucket holds at most ``bucket_numel`` padded elements (a larger parameter gets a
     bucket of its own), one dtype, and either no leaf's parameters or one leaf's only
-    (a leaf's buckets are launched when its backward is done, seed §7).
+    (a leaf's buckets are launched when its backward is done, members without a
+    gradient, such as experts no token was routed to, as zeros; a bucket that also held
+    parameters from outside the leaf could not leave then).
     """
     buckets: list[GradBucket] = []
     offsets_by_dtype: dict[torch.dtype, int] = {}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,13 +14,12 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
-from torch import nn
+
+from zero3.core._leaves import LeafTarget, check_leaf_targets
 
 __all__ = ["Zero3Config"]
 
 _log = logging.getLogger(__name__)
-
-LeafTarget = type[nn.Module] | str
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -28,6 +29,10 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+
+# The longest timeout a backend can turn into a datetime.timedelta (about 2.7 million
+# years); anything larger fails there with an OverflowError that names nothing.
+_MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
 
 
 def _parse_dtype(field: str, value: object) -> torch.dtype | None:
@@ -41,6 +46,63 @@ def _parse_dtype(field: str, value: object) -> torch.dtype | None:
         f"Zero3Config.{field} must be None, a torch floating dtype or one of "
         f"{sorted(_DTYPE_NAMES)}, got {value!r}"
     )
+
+
+# -- value checks shared by Zero3Config and from_deepspeed ------------------------------
+# ``label`` is what the error names: "Zero3Config.timeout_s" here, the DeepSpeed key
+# ("zero_optimization.reduce_bucket_size") when a DeepSpeed config is read, so both
+# paths apply one rule and each error names what the user wrote.
+
+
+def check_int(label: str, value: object, *, minimum: int) -> int:
+    """A whole number >= ``minimum`` (a whole float such as JSON's ``1e9`` is accepted)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{label} must be an integer, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{label} must be a finite integer, got {value}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{label} must be a whole number, got {value}")
+    if value < minimum:
+        raise ValueError(f"{label} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_float(
+    label: str, value: object, *, minimum: float | None = None, positive: bool = False
+) -> float:
+    """A finite number, ``> 0`` with ``positive``, ``>= minimum`` if given."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{label} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{label} must be a finite number, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{label} must be > 0, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{label} must be >= {minimum}, got {value}")
+    return float(value)
+
+
+def check_bool(label: str, value: object) -> bool:
+    """A real boolean: the string ``"false"`` or the number 0 is an error, not a flag."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{label} must be true or false, got {value!r}")
+    return value
+
+
+def check_clipping(label: str, value: object) -> float | None:
+    """A gradient-clipping norm: None or 0 turn clipping off (0 is DeepSpeed's spelling)."""
+    if value is None:
+        return None
+    clip = check_float(label, value, minimum=0.0)
+    return clip if clip > 0 else None
+
+
+def check_timeout(label: str, value: object) -> float:
+    """Seconds a collective may take: finite, > 0 and small enough for a timedelta."""
+    timeout = check_float(label, value, positive=True)
+    if timeout > _MAX_TIMEOUT_S:
+        raise ValueError(f"{label} must be at most {_MAX_TIMEOUT_S:.3g} seconds, got {timeout}")
+    return timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,20 +134,24 @@ class Zero3Config:
             the whole bucket (see :ref:`overlap chunks <overlap-chunks>`). Not a DeepSpeed field.
         sub_group_size: Elements per optimizer sub-group (fp32 master chunk).
         backend: Comm backend name for :func:`zero3.comm.create_backend` (``"auto"``).
-        leaf_modules: Module classes or qualified class names whose whole subtree is
-            gathered on entry and released on exit (MoE blocks with routing).
+        leaf_modules: Modules whose whole subtree is gathered on entry and released on
+            exit (MoE blocks with routing): module classes, class names (bare or
+            qualified) or :class:`~zero3.core.ModulePath` places in the model (DeepSpeed's
+            ``leaf_module`` ``classes``, ``names`` and ``name_suffixes``). Every target
+            must match a module of the model it shards.
         param_dtype: Parameters are cast to this dtype when sharded (None: keep).
         reduce_dtype: Gradients are reduced and accumulated in this dtype (None: the
             parameters' own).
-        grad_reduce_op: ``"reduce_scatter"`` or ``"all_reduce"`` (the seed's §5.2 path:
-            all-reduce then slice, twice the bytes; for comparison).
+        grad_reduce_op: ``"reduce_scatter"`` or ``"all_reduce"`` (all-reduce then
+            keep this rank's slice: twice the bytes; for comparison).
         gradient_clipping: Clip the global gradient norm to this value in the
-            optimizer's step (None: no clipping).
+            optimizer's step. None or 0 (DeepSpeed's "off") do not clip; it is stored as
+            None. Negative, NaN or infinite values are errors.
         loss_scale: fp16 static loss scale; 0 selects dynamic scaling.
         initial_scale_power: Dynamic scaling starts at ``2**initial_scale_power``.
         loss_scale_window: Successful steps before the dynamic scale doubles.
         hysteresis: Overflows tolerated before the dynamic scale halves.
-        min_loss_scale: The dynamic scale never drops below this.
+        min_loss_scale: The dynamic scale never drops below this (> 0).
         timeout_s: Timeout of every collective (a stuck peer raises after this long) of
             the backend zero3 creates from :attr:`backend`; a backend passed to
             ``shard_module(comm=...)`` keeps its own ``timeout_s``.
@@ -94,8 +160,10 @@ class Zero3Config:
             Meta parameters that ``shard_module`` initialises are broadcast module by
             module; with this off they are checked instead (ranks that initialised them
             differently raise an error).
-        extras: Read-only mapping of settings zero3 does not use itself (batch sizes,
-            optimizer, scheduler... from a DeepSpeed config), kept for the caller.
+        extras: Read-only mapping of settings zero3 does not act on, kept for the
+            training loop: the DeepSpeed keys :meth:`from_deepspeed` leaves to it (batch
+            sizes, optimizer, scheduler, offload...) by dotted name (``"optimizer"``,
+            ``"zero_optimization.offload_param"``), with the file's values.
     """
 
     prefetch_bucket_size: int = 50_000_000
@@ -128,8 +196,9 @@ class Zero3Config:
             "max_live_parameters",
             "max_reuse_distance",
             "param_persistence_threshold",
+            "initial_scale_power",
         ):
-            self._set(name, self._int(name, getattr(self, name), minimum=0))
+            self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=0))
         for name in (
             "reduce_bucket_size",
             "overlap_chunk_size",
@@ -137,17 +206,12 @@ class Zero3Config:
             "loss_scale_window",
             "hysteresis",
         ):
-            self._set(name, self._int(name, getattr(self, name), minimum=1))
-        self._set(
-            "initial_scale_power",
-            self._int("initial_scale_power", self.initial_scale_power, minimum=0),
-        )
+            self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=1))
         for name in ("contiguous_gradients", "overlap_comm", "sync_module_states"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Zero3Config.{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(f"Zero3Config.{name}", getattr(self, name))
         if not isinstance(self.backend, str) or not self.backend:
             raise TypeError(f"Zero3Config.backend must be a backend name, got {self.backend!r}")
-        self._set("leaf_modules", self._leaf_targets(self.leaf_modules))
+        self._set("leaf_modules", check_leaf_targets("Zero3Config.leaf_modules", self.leaf_modules))
         self._set("param_dtype", _parse_dtype("param_dtype", self.param_dtype))
         self._set("reduce_dtype", _parse_dtype("reduce_dtype", self.reduce_dtype))
         if self.grad_reduce_op not in ("reduce_scatter", "all_reduce"):
@@ -155,69 +219,24 @@ class Zero3Config:
                 "Zero3Config.grad_reduce_op must be 'reduce_scatter' or 'all_reduce', "
                 f"got {self.grad_reduce_op!r}"
             )
-        if self.gradient_clipping is not None:
-            clip = self._float("gradient_clipping", self.gradient_clipping)
-            if clip <= 0:
-                raise ValueError(
-                    "Zero3Config.gradient_clipping must be > 0 (None turns clipping off), "
-                    f"got {clip}"
-                )
-            self._set("gradient_clipping", clip)
-        self._set("loss_scale", self._float("loss_scale", self.loss_scale, minimum=0.0))
-        self._set("min_loss_scale", self._float("min_loss_scale", self.min_loss_scale, minimum=0.0))
-        timeout = self._float("timeout_s", self.timeout_s)
-        if timeout <= 0:
-            raise ValueError(f"Zero3Config.timeout_s must be > 0, got {timeout}")
-        self._set("timeout_s", timeout)
+        self._set(
+            "gradient_clipping",
+            check_clipping("Zero3Config.gradient_clipping", self.gradient_clipping),
+        )
+        self._set("loss_scale", check_float("Zero3Config.loss_scale", self.loss_scale, minimum=0))
+        self._set(
+            "min_loss_scale",
+            check_float("Zero3Config.min_loss_scale", self.min_loss_scale, positive=True),
+        )
+        self._set("timeout_s", check_timeout("Zero3Config.timeout_s", self.timeout_s))
         if not isinstance(self.extras, Mapping):
             raise TypeError(
                 f"Zero3Config.extras must be a mapping, got {type(self.extras).__name__}"
             )
         self._set("extras", MappingProxyType(dict(self.extras)))
 
-    # -- validation helpers ---------------------------------------------------------
-
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
-
-    @staticmethod
-    def _int(name: str, value: object, *, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"Zero3Config.{name} must be an integer, got {value!r}")
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"Zero3Config.{name} must be a whole number, got {value}")
-        if value < minimum:
-            raise ValueError(f"Zero3Config.{name} must be >= {minimum}, got {value}")
-        return int(value)
-
-    @staticmethod
-    def _float(name: str, value: object, *, minimum: float | None = None) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"Zero3Config.{name} must be a number, got {value!r}")
-        if minimum is not None and value < minimum:
-            raise ValueError(f"Zero3Config.{name} must be >= {minimum}, got {value}")
-        return float(value)
-
-    @staticmethod
-    def _leaf_targets(targets: object) -> tuple[LeafTarget, ...]:
-        if isinstance(targets, str | type):
-            targets = (targets,)
-        if not isinstance(targets, list | tuple):
-            raise TypeError(
-                "Zero3Config.leaf_modules must be a tuple of nn.Module classes or qualified "
-                f"class names, got {targets!r}"
-            )
-        for target in targets:
-            ok = isinstance(target, str) or (
-                isinstance(target, type) and issubclass(target, nn.Module)
-            )
-            if not ok:
-                raise TypeError(
-                    "Zero3Config.leaf_modules entries must be nn.Module subclasses or class "
-                    f"names like 'transformers.models.mixtral.modeling_mixtral."
-                    f"MixtralSparseMoeBlock', got {target!r}"
-                )
-        return tuple(targets)
 
     # -- DeepSpeed ------------------------------------------------------------------
 
@@ -227,28 +246,59 @@ class Zero3Config:
     ) -> Zero3Config:
         """Build a config from a DeepSpeed JSON config (a dict or a path to the file).
 
-        The ``zero_optimization`` section maps onto the ZeRO fields (``stage`` must be
-        3; an unknown key is an error naming it; an offload or ZeRO++ setting is an error
-        saying zero3 lacks it; ``"auto"`` keeps zero3's default). ``bf16`` /
-        ``fp16`` select ``param_dtype`` and fp16 loss scaling, ``gradient_clipping``
-        maps directly. Every other top-level key (batch sizes, optimizer, scheduler,
-        logging...) is kept untouched in :attr:`extras`.
+        Every key DeepSpeed reads is known (the table in the configuration docs): ZeRO
+        keys map onto the fields of the same meaning (``zero_optimization.stage`` must
+        be 3, ``leaf_module`` fills :attr:`leaf_modules`), ``bf16`` / ``fp16`` select
+        :attr:`param_dtype` and fp16 loss scaling, ``gradient_clipping`` and
+        ``communication_data_type`` map directly. ``"auto"`` is resolved as the HF
+        Trainer does without TrainingArguments (precision off, clipping 1.0, batch
+        sizes, optimizer and scheduler left to the training loop, anything else
+        DeepSpeed's default) and each resolution is logged. Keys zero3 does not act on
+        (batch sizes, optimizer, scheduler, offload...) are logged once at INFO with what
+        to do instead and kept in :attr:`extras` under their dotted names. A wrong type
+        or value, an unknown key (a typo), a ``null`` section or a setting zero3 cannot
+        run is an error naming the key.
 
         Args:
             config: The DeepSpeed config as a mapping, or a path to its JSON file.
-            **overrides: Zero3Config fields that win over the DeepSpeed values.
+            **overrides: Zero3Config fields that win over the file's values (the file is
+                still checked, but the keys these fields replace are not refused for
+                contradicting each other: ``param_dtype=`` settles bf16 vs fp16).
 
         Raises:
-            ValueError: Unsupported stage, unknown key, or a feature zero3 lacks.
+            ValueError: Unreadable file, unsupported stage, unknown key, a bad value or a
+                setting zero3 cannot run.
+            TypeError: A value of the wrong type.
         """
         from zero3.core._deepspeed import fields_from_deepspeed
 
         if isinstance(config, str | os.PathLike):
-            config = json.loads(Path(config).read_text())
+            config = _load_json(Path(config))
         if not isinstance(config, Mapping):
             raise TypeError(
                 f"a DeepSpeed config must be a mapping or a path, got {type(config).__name__}"
             )
-        fields = fields_from_deepspeed(config)
+        fields = fields_from_deepspeed(config, overrides=overrides.keys())
         fields.update(overrides)
         return cls(**fields)
+
+
+def _load_json(path: Path) -> Any:
+    """Parse a JSON file; a repeated key is an error (JSON would keep the last silently)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"DeepSpeed config {path}: key {key!r} appears twice")
+            seen[key] = value
+        return seen
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"DeepSpeed config {path}: cannot read it ({exc})") from exc
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {exc}") from exc

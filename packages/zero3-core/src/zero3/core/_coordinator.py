@@ -1,12 +1,13 @@
-"""ParamCoordinator: when parameters are gathered, prefetched and released (seed §2).
+"""ParamCoordinator: when parameters are gathered, prefetched and released.
 
-Note (fetch in three steps, §2.1):
+Note (fetch in three steps):
     ``fetch_sub_module`` (1) starts one coalesced gather of the module's parameters
     that are not on this rank, (2) waits for them and for any prefetch already
     carrying the rest, then (3) once the trace is COMPLETE prefetches what comes next
     in trace order, up to ``prefetch_bucket_size`` elements, never past
     ``max_live_parameters`` live elements, with at most two prefetches in flight
-    (§2.2: a host that queues gathers without bound pins their memory early). One
+    (each gather holds its buffers from the moment it is issued, so a host that
+    queued gathers without bound would pin their memory long before use). One
     prefetch leaves as several gathers cut at module boundaries (overlap chunks,
     :meth:`ParamCoordinator._chunks`).
     With ``overlap_comm=False`` the gather stream is the compute stream: prefetches
@@ -32,8 +33,9 @@ from torch import nn
 
 from zero3.comm import CommBackend
 from zero3.core._config import Zero3Config
-from zero3.core._gather import GatherHandle, GatherLayout
-from zero3.core._params import ParamStatus, ShardedParam, free_full
+from zero3.core._gather import GatherHandle, GatherLayout, verify_fingerprints
+from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core._params import ParamStatus, ShardedParam, free_full, write_full
 from zero3.core._pool import BufferPool
 from zero3.core._stats import StatsBook
 from zero3.core._trace import Trace, TraceState
@@ -43,7 +45,7 @@ __all__ = ["GATHERED_PARAMETERS", "MAX_INFLIGHT_PREFETCHES", "ParamCoordinator"]
 
 _log = logging.getLogger("zero3.core")
 
-#: Prefetch gathers allowed in flight at once (§2.2).
+#: Prefetch gathers allowed in flight at once (each holds its buffers until consumed).
 MAX_INFLIGHT_PREFETCHES = 2
 #: Module index used in fingerprints of gathers that no module asked for.
 GATHERED_PARAMETERS = -1
@@ -60,6 +62,8 @@ class ParamCoordinator:
         direct: For each module (same order), the sharded parameters it owns directly.
         stats: Where the step counters go.
         pool: Reusable gather buffers.
+        guard: Exchanges a header before each gather (see the guard's Note); without
+            one, gathers are checked by their in-band fingerprints, once per step.
     """
 
     def __init__(
@@ -70,8 +74,16 @@ class ParamCoordinator:
         direct: Sequence[Sequence[ShardedParam]],
         stats: StatsBook,
         pool: BufferPool,
+        guard: CollectiveGuard | None = None,
     ) -> None:
         self.comm = comm
+        self.guard = guard or CollectiveGuard(None, comm.rank, self.describe)
+        #: Steps begun so far (every rank must begin the same steps).
+        self.steps = 0
+        # Finished gathers whose fingerprints wait for one batched check (no headers).
+        self._unverified: list[GatherHandle] = []
+        #: Copies of edited whole parameters released before their edit was merged.
+        self.edits: dict[int, torch.Tensor] = {}
         self.config = config
         self.names = [name or "<root>" for name, _ in modules]
         self._index = {id(module): i for i, (_, module) in enumerate(modules)}
@@ -185,6 +197,7 @@ class ParamCoordinator:
     def begin_step(self, training: bool) -> None:
         """Start a step; ``training`` picks the training or the inference trace."""
         self.step_open = True
+        self.steps += 1
         self.training_step = training
         self.trace = self.traces["train" if training else "infer"]
         if self.trace.state is TraceState.INVALID:
@@ -203,6 +216,7 @@ class ParamCoordinator:
         for sp in all_params:
             sp.holds = 0
             self._release(sp)
+        self.verify_gathers()
         trace = self.trace
         if not self.diverged:
             if trace.state is TraceState.RECORD:
@@ -246,9 +260,12 @@ class ParamCoordinator:
     # -- fetch / release --------------------------------------------------------------
 
     def fetch_sub_module(self, module: nn.Module, forward: bool) -> None:
-        """Make the module's parameters whole on this rank (seed §2.1's three steps)."""
+        """Make the module's parameters whole on this rank (the three steps of the Note).
+
+        The step must be open (:meth:`begin_step`; the model state opens it).
+        """
         if not self.step_open:
-            self.begin_step(training=torch.is_grad_enabled())
+            raise RuntimeError("zero3 internal error: a module fetch outside a step")
         index = self.index_of(module)
         position = self.position
         self.position += 1
@@ -261,7 +278,9 @@ class ParamCoordinator:
             self._prefetch(position, forward)
 
     def release_sub_module(self, module: nn.Module) -> None:
-        """Release the module's parameters, keeping those reused soon (seed §2.4)."""
+        """Release the module's parameters, keeping those the trace uses again within
+        ``max_reuse_distance`` elements.
+        """
         index = self.index_of(module)
         params = self.fetch_set(index)
         keep: frozenset[int] = frozenset()
@@ -295,6 +314,33 @@ class ParamCoordinator:
                 sp.holds = max(0, sp.holds - 1)
             if sp.holds == 0:
                 self._release(sp)
+        self.verify_gathers()
+
+    def verify_gathers(self) -> None:
+        """Check the fingerprints of gathers finished since the last check (one sync)."""
+        if self._unverified:
+            handles, self._unverified = self._unverified, []
+            verify_fingerprints(handles, self.describe)
+
+    def phase(self, forward: bool) -> int:
+        """The step phase for headers: 0 between steps, 1 training forward, 2 backward,
+        3 inference forward.
+        """
+        if not self.step_open:
+            return 0
+        if not forward:
+            return 2
+        return 1 if self.training_step else 3
+
+    def _announce(self, kind: OpKind, module: int, layout: GatherLayout, forward: bool) -> str:
+        """Exchange the header of a gather; returns how its fingerprints are verified."""
+        if not self.guard.active:
+            return "later"
+        op = Op(
+            kind, self.steps, self.phase(forward), module, layout.param_hash, layout.chunk_bytes
+        )
+        self.guard.check(op)
+        return "headers"
 
     def _check_trace(self, index: int, position: int) -> bool:
         """Record or verify this fetch; return True if prefetching may follow it."""
@@ -337,17 +383,23 @@ class ParamCoordinator:
     def _issue(
         self, params: list[ShardedParam], index: int, forward: bool, prefetch: bool
     ) -> GatherHandle:
-        key = tuple(sp.index for sp in params)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = GatherLayout.build(params)
-            self._layouts[key] = layout
+        layout = self._layout(params)
+        if index == GATHERED_PARAMETERS:
+            kind = OpKind.GATHERED
+        else:
+            kind = OpKind.PREFETCH if prefetch else OpKind.FETCH
+        verify = self._announce(kind, index, layout, forward)
         handle = GatherHandle(
-            self.comm, layout, index, self.describe, self.gather_stream, self.pool
+            self.comm,
+            layout,
+            index,
+            self.describe,
+            self.gather_stream,
+            self.pool,
+            kind="prefetch" if prefetch else "gather",
+            issued_us=self._now(),
+            verify=verify,
         )
-        if self.tracer is not None:
-            handle.issued_us = self.tracer.now_us()
-            handle.prefetch = prefetch
         stats = self.stats.current
         numel = sum(sp.numel for sp in params)
         if forward:
@@ -366,7 +418,7 @@ class ParamCoordinator:
         stats.live_numel_high_water = max(stats.live_numel_high_water, self.live_numel)
         if prefetch:
             stats.prefetch_gathers += 1
-            self._prefetched.update(key)
+            self._prefetched.update(sp.index for sp in params)
             if not self.config.overlap_comm:
                 stats.blocking_prefetches += 1
                 self._finish(handle)
@@ -377,14 +429,19 @@ class ParamCoordinator:
         if handle.finished:
             return
         tracer = self.tracer
-        if tracer is None:
+        waited = self._now()
+        with waiting_for(lambda: self._waiting_text(handle)):
             handle.finish(self.comm.current_stream())
+        if handle.verify == "later":
+            self._unverified.append(handle)
+        if self.edits:
+            for sp in handle.layout.params:
+                self._reapply_edit(sp)
+        if tracer is None:
             return
-        waited = tracer.now_us()
-        handle.finish(self.comm.current_stream())
         end = tracer.now_us()
         name = self.describe(handle.module_index)
-        kind = "prefetch" if handle.prefetch else "gather"
+        kind = handle.kind
         tracer.complete(
             f"{kind} {name}",
             kind,
@@ -394,6 +451,54 @@ class ParamCoordinator:
             bytes=handle.layout.chunk_bytes * self.comm.world_size,
         )
         tracer.complete(f"wait {kind} {name}", "wait", waited, end)
+
+    def _waiting_text(self, handle: GatherHandle) -> str:
+        what = f"the {handle.kind} for module {self.describe(handle.module_index)!r}"
+        return (
+            f"rank {self.comm.rank} timed out waiting for {what} (step {self.steps}); "
+            f"{self.guard.last_words()}"
+        )
+
+    def _now(self) -> float:
+        return self.tracer.now_us() if self.tracer is not None else 0.0
+
+    def _layout(self, params: list[ShardedParam]) -> GatherLayout:
+        key = tuple(sp.index for sp in params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = GatherLayout.build(params)
+            self._layouts[key] = layout
+        return layout
+
+    def refresh(self, params: Sequence[ShardedParam]) -> None:
+        """Re-assemble whole parameters from their (updated) shards in one gather.
+
+        After an optimizer step the parameters that are whole on this rank (persistent
+        ones, and gathered ones held across the step) hold stale values. They are
+        gathered again like any fetch — fingerprinted, pooled, traced — but counted as
+        a refresh; the live-parameter accounting does not change, since they were
+        whole before and are whole after.
+        """
+        if not params:
+            return
+        layout = self._layout(sorted(params, key=lambda sp: sp.index))
+        verify = self._announce(OpKind.REFRESH, GATHERED_PARAMETERS, layout, forward=True)
+        handle = GatherHandle(
+            self.comm,
+            layout,
+            GATHERED_PARAMETERS,
+            self.describe,
+            None,
+            self.pool,
+            kind="refresh",
+            issued_us=self._now(),
+            verify=verify,
+        )
+        self._finish(handle)
+        self.verify_gathers()
+        stats = self.stats.current
+        stats.refresh_gathers += 1
+        stats.refresh_bytes += layout.chunk_bytes * self.comm.world_size
 
     def _prefetch(self, position: int, forward: bool) -> None:
         # A prefetch leaves the in-flight count when a fetch consumes it, never when the
@@ -472,8 +577,25 @@ class ParamCoordinator:
         if sp.status is ParamStatus.INFLIGHT and sp.handle is not None:
             self._finish(sp.handle)
         if sp.status is ParamStatus.AVAILABLE:
+            self._keep_edit(sp)
             free_full(sp.param, self.pool)
-            sp.status = ParamStatus.NOT_AVAILABLE
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
             self.live_numel -= sp.numel
             self.live_bytes -= sp.numel * sp.shard.element_size()
         self._prefetched.discard(sp.index)
+
+    def _keep_edit(self, sp: ShardedParam) -> None:
+        """An in-place edit of a whole parameter must outlive its release: keep a copy
+        until the model state merges it into the shards (ShardedModelState.synchronize).
+        """
+        if sp.param._version != sp.version and not sp.aliases_param:
+            self.edits[sp.index] = sp.param.detach().clone()
+            sp.version = sp.param._version
+
+    def _reapply_edit(self, sp: ShardedParam) -> None:
+        """A parameter gathered again before its edit was merged shows the edit (this
+        rank keeps seeing what it wrote, as in plain PyTorch).
+        """
+        kept = self.edits.get(sp.index)
+        if kept is not None:
+            write_full(sp.param, kept.reshape(-1))

@@ -1,175 +1,226 @@
-"""Mapping of a DeepSpeed JSON config onto Zero3Config fields."""
+"""Mapping of a DeepSpeed JSON config onto Zero3Config fields.
+
+Note (what happens to each key):
+    Every key DeepSpeed reads is listed in one of the tables below, so a typo is an
+    error that names it instead of a setting silently lost. A key is
+
+    - *mapped*: its value sets a :class:`Zero3Config` field;
+    - *honoured*: zero3 already does what the value asks (or the key has no effect at
+      ZeRO stage 3 in DeepSpeed either): accepted, nothing to do;
+    - *not acted on*: the value asks for something zero3 itself does not do. The
+      training loop owns most of these (batch sizes, optimizer, scheduler, logging);
+      the others only change where memory lives or how communication is compressed
+      (offload, ZeRO++, MiCS), and zero3 computes the same training in full precision
+      with everything on the training device. They are logged once per config, at INFO,
+      with what to do instead, and kept in :attr:`Zero3Config.extras` under their
+      dotted key (``"zero_optimization.stage3_gather_16bit_weights_on_model_save"``);
+    - *refused*: zero3 cannot run what it asks (another ZeRO stage, tensor/expert/
+      sequence parallelism, a summed gradient reduction) or it contradicts another key.
+
+    ``"auto"`` is resolved as the Hugging Face Trainer does when it has no
+    TrainingArguments to fill it from: precision stays off unless set, gradient
+    clipping is 1.0 (the Trainer's ``max_grad_norm`` default), batch sizes,
+    accumulation, optimizer and scheduler values are left to the training loop (they
+    stay ``"auto"`` in ``extras``), and any other key takes DeepSpeed's default (what
+    DeepSpeed's own config classes do with ``"auto"``). Each resolution is logged.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
+
+from zero3.core._config import check_clipping
+from zero3.core._deepspeed_keys import (
+    AUTO,
+    BF16,
+    DATA_TYPES,
+    FP16,
+    SPECIAL,
+    TOP,
+    ZERO,
+    Key,
+    dtype_name,
+    mapping,
+    no_unknown,
+)
 
 __all__ = ["fields_from_deepspeed"]
 
 _log = logging.getLogger("zero3.core")
 
-# zero_optimization key (both DeepSpeed spellings) -> Zero3Config field.
-_ZERO_FIELDS = {
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-    "max_reuse_distance": "max_reuse_distance",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "param_persistence_threshold": "param_persistence_threshold",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "contiguous_gradients": "contiguous_gradients",
-    "overlap_comm": "overlap_comm",
-    "sub_group_size": "sub_group_size",
-}
 
-# Keys DeepSpeed accepts that change nothing for zero3 (stage 1/2 settings, or
-# behaviour zero3 always has). Accepted so real configs load; listed so typos do not.
-_HARMLESS = {
-    "allgather_partitions",
-    "allgather_bucket_size",
-    "round_robin_gradients",
-    "stage3_gather_16bit_weights_on_model_save",
-    "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save",
-    "ignore_unused_parameters",
-    "elastic_checkpoint",
-    "load_from_fp32_weights",
-    "memory_efficient_linear",
-    "use_multi_rank_bucket_allreduce",
-    "log_trace_cache_warnings",
-    "stage3_module_granularity_threshold",
-    "module_granularity_threshold",
-    "override_module_apply",
-    "use_all_reduce_for_fetch_params",
-    "stage3_use_all_reduce_for_fetch_params",
-}
+# -- reading --------------------------------------------------------------------------------
 
 
-def _offload_on(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        return str(value.get("device", "none")).lower() not in ("none", "")
-    return bool(value)
+@dataclasses.dataclass
+class _Reading:
+    """What reading one DeepSpeed config found."""
+
+    overrides: Collection[str]
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    chosen: list[str] = dataclasses.field(default_factory=list)
+    unused: list[str] = dataclasses.field(default_factory=list)
+
+    def choose(self, label: str, field: str | None, text: str) -> None:
+        if field is None or field not in self.overrides:
+            self.chosen.append(f"{label}: {text}")
+
+    def leave(self, label: str, value: Any, todo: str) -> None:
+        self.extras[label] = value
+        self.unused.append(f"{label}: {todo}")
 
 
-# Features zero3 lacks: key -> predicate "is it switched on".
-_MISSING_FEATURES: dict[str, tuple[str, Any]] = {
-    "offload_param": ("parameter offload (ZeRO-Infinity)", _offload_on),
-    "offload_optimizer": ("optimizer offload (ZeRO-Offload)", _offload_on),
-    "cpu_offload": ("optimizer offload (ZeRO-Offload)", bool),
-    "cpu_offload_params": ("parameter offload", bool),
-    "cpu_offload_use_pin_memory": ("offload", bool),
-    "zero_quantized_weights": ("ZeRO++ quantized weights (qwZ)", bool),
-    "zero_quantized_nontrainable_weights": ("ZeRO++ quantized weights", bool),
-    "zero_quantized_gradients": ("ZeRO++ quantized gradients (qgZ)", bool),
-    "zero_hpz_partition_size": ("ZeRO++ hierarchical partitioning (hpZ)", lambda v: int(v) > 1),
-    "mics_shard_size": ("MiCS sharding", lambda v: int(v) > 0),
-    "mics_hierarchical_params_gather": ("MiCS hierarchical gather", bool),
-}
-
-_FP16_KEYS = {
-    "loss_scale": "loss_scale",
-    "initial_scale_power": "initial_scale_power",
-    "loss_scale_window": "loss_scale_window",
-    "hysteresis": "hysteresis",
-    "min_loss_scale": "min_loss_scale",
-}
-_FP16_IGNORED = {"enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
-_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "bfp16": "bf16", "float32": "fp32"}
+def _fmt(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return repr(value)
 
 
-def _zero_section(section: Mapping[str, Any]) -> dict[str, Any]:
-    stage = section.get("stage", 0)
-    if stage != 3:
-        raise ValueError(
-            f"zero_optimization.stage is {stage!r}: zero3 implements ZeRO stage 3 only "
-            '(set "stage": 3)'
-        )
-    fields: dict[str, Any] = {}
-    for key, value in section.items():
-        if key == "stage" or key in _HARMLESS:
-            continue
-        if key in _MISSING_FEATURES:
-            feature, is_on = _MISSING_FEATURES[key]
-            if is_on(value):
-                raise ValueError(
-                    f"zero_optimization.{key}: zero3 does not implement {feature}; remove the "
-                    "key (or switch it off) to train fully sharded without it"
-                )
-            continue
-        if key == "reduce_scatter":
-            fields["grad_reduce_op"] = "reduce_scatter" if value else "all_reduce"
-            continue
-        field = _ZERO_FIELDS.get(key)
-        if field is None:
-            known = sorted(
-                {*_ZERO_FIELDS, *_HARMLESS, *_MISSING_FEATURES, "stage", "reduce_scatter"}
-            )
-            raise ValueError(
-                f"zero_optimization.{key} is not a DeepSpeed ZeRO-3 setting zero3 knows "
-                f"(a typo?). Known keys: {', '.join(known)}"
-            )
-        if value != "auto":  # "auto" keeps zero3's (= DeepSpeed's) default
-            fields[field] = value
-    return fields
+def _read(reading: _Reading, prefix: str, section: Mapping[str, Any],
+          table: Mapping[str, Key]) -> dict[str, Any]:  # fmt: skip
+    """Check every key of a section against its table; returns the normalized values."""
+    no_unknown(prefix.rstrip("."), section, table)
+    values: dict[str, Any] = {}
+    for key, raw in section.items():
+        spec, label = table[key], prefix + key
+        value = raw
+        if raw == AUTO:
+            if spec.loop:
+                reading.leave(label, AUTO, "left to the training loop; " + spec.todo)
+                continue
+            value = spec.default
+            why = spec.auto or "DeepSpeed's default"
+            shown = "its defaults (off)" if value is None else _fmt(value)
+            reading.choose(label, spec.field or spec.about, f'"auto" -> {shown} ({why})')
+            if value is None:  # a section: DeepSpeed drops an "auto" one
+                continue
+        values[key] = value = spec.check(label, value)
+        if isinstance(raw, int | float) and value != raw and spec.field is not None:
+            reading.choose(label, spec.field, f"{raw} -> {value} (DeepSpeed's {raw} gives "
+                           "every parameter its own bucket/sub-group; zero3 spells that "
+                           f"{value})")  # fmt: skip
+        if spec.field is not None:
+            reading.fields[spec.field] = value
+        elif spec.refuse and spec.active(value):
+            raise ValueError(f"{label}: {spec.refuse}")
+        elif spec.todo and spec.active(value):
+            reading.leave(label, raw, spec.todo)
+    return values
 
 
-def _precision(config: Mapping[str, Any]) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    bf16 = config.get("bf16") or config.get("bfloat16") or {}
-    fp16 = config.get("fp16") or {}
-    bf16_on = bool(bf16.get("enabled", False)) if isinstance(bf16, Mapping) else False
-    fp16_on = bool(fp16.get("enabled", False)) if isinstance(fp16, Mapping) else False
-    if bf16_on and fp16_on:
-        raise ValueError("the DeepSpeed config enables both bf16 and fp16; enable one")
-    if bf16_on:
-        fields["param_dtype"] = "bf16"
-    if fp16_on:
-        fields["param_dtype"] = "fp16"
-        for key, value in fp16.items():
-            if key in _FP16_KEYS:
-                if value != "auto":
-                    fields[_FP16_KEYS[key]] = value
-            elif key not in _FP16_IGNORED:
-                warnings.warn(f"fp16.{key} is not used by zero3 and is ignored", stacklevel=4)
-    comm_dtype = config.get("communication_data_type")
-    if comm_dtype is not None:
-        if str(comm_dtype).lower() not in _DTYPES:
-            raise ValueError(
-                f"communication_data_type {comm_dtype!r} must be one of {sorted(_DTYPES)}"
-            )
-        fields["reduce_dtype"] = _DTYPES[str(comm_dtype).lower()]
-    return fields
-
-
-def fields_from_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Return Zero3Config keyword arguments for a DeepSpeed config mapping."""
+def _zero_section(reading: _Reading, config: Mapping[str, Any]) -> None:
     if "zero_optimization" not in config:
         raise ValueError(
             "the DeepSpeed config has no zero_optimization section; zero3 needs "
             '{"zero_optimization": {"stage": 3, ...}}'
         )
-    fields = _zero_section(config["zero_optimization"])
-    fields.update(_precision(config))
+    section = config["zero_optimization"]
+    if isinstance(section, bool):
+        raise ValueError(
+            'zero_optimization: the old true/false form means ZeRO stage 1; write {"stage": 3}'
+        )
+    section = mapping("zero_optimization", section)
+    if "stage" not in section:
+        raise ValueError(
+            "zero_optimization.stage is missing (DeepSpeed's default is 0): zero3 implements "
+            'ZeRO stage 3 only (set "stage": 3)'
+        )
+    _read(reading, "zero_optimization.", section, ZERO)
+    if "grad_reduce_op" in reading.fields:
+        on = reading.fields["grad_reduce_op"]
+        reading.fields["grad_reduce_op"] = "reduce_scatter" if on else "all_reduce"
+
+
+def _precision(reading: _Reading, config: Mapping[str, Any]) -> None:
+    if "bf16" in config and "bfloat16" in config:
+        raise ValueError(
+            "the DeepSpeed config has both bf16 and bfloat16 (its old name): keep bf16"
+        )
+    bf16_key = "bfloat16" if "bfloat16" in config else "bf16"
+    fp16 = _read(reading, "fp16.", mapping("fp16", config.get("fp16", {})), FP16)
+    bf16 = _read(reading, f"{bf16_key}.", mapping(bf16_key, config.get(bf16_key, {})), BF16)
+    on = [name for name, sec in (("bf16", bf16), ("fp16", fp16)) if sec.get("enabled") is True]
+    if "param_dtype" in reading.overrides:
+        return
+    if len(on) == 2:
+        raise ValueError(
+            f"{bf16_key}.enabled and fp16.enabled are both true: enable one (or pass "
+            "param_dtype= to choose)"
+        )
+    if on:
+        reading.fields["param_dtype"] = on[0]
+
+
+def _data_types(reading: _Reading, config: Mapping[str, Any]) -> None:
+    types = _read(
+        reading, "data_types.", mapping("data_types", config.get("data_types", {})), DATA_TYPES
+    )
+    comm = dtype_name("communication_data_type", config.get("communication_data_type"))
+    accum = types.get("grad_accum_dtype")
+    if "reduce_dtype" not in reading.overrides:
+        if comm is not None and accum is not None and comm != accum:
+            raise ValueError(
+                f"communication_data_type {comm!r} and data_types.grad_accum_dtype {accum!r} "
+                "differ: zero3 reduces and accumulates gradients in one dtype "
+                "(Zero3Config.reduce_dtype); make them equal or drop one"
+            )
+        if comm or accum:
+            reading.fields["reduce_dtype"] = comm or accum
+    wanted = types.get("param_dtype")
+    mode = reading.fields.get("param_dtype", "fp32")
+    if wanted is not None and wanted != mode and "param_dtype" not in reading.overrides:
+        raise ValueError(
+            f"data_types.param_dtype {wanted!r} conflicts with the precision the bf16/fp16 "
+            f"sections select ({mode}): set the matching enabled flag or drop param_dtype"
+        )
+
+
+def _clipping(reading: _Reading, config: Mapping[str, Any]) -> None:
+    if "gradient_clipping" in reading.overrides:
+        return
     clip = config.get("gradient_clipping")
-    if clip is None:
+    if clip == AUTO:
+        reading.choose(
+            "gradient_clipping", None, '"auto" -> 1.0 (the HF Trainer\'s max_grad_norm default)'
+        )
+        clip = 1.0
+    if "gradient_clipping" not in config:
         _log.warning(
             "zero3: the DeepSpeed config sets no gradient_clipping, so zero3 does not clip "
             "(DeepSpeed >= 0.19 would clip at 1.0 by default)"
         )
-    elif clip != "auto":
-        fields["gradient_clipping"] = float(clip) if float(clip) > 0 else None
-    mapped = {
-        "zero_optimization",
-        "bf16",
-        "bfloat16",
-        "fp16",
-        "gradient_clipping",
-        "communication_data_type",
-    }
-    fields["extras"] = {k: v for k, v in config.items() if k not in mapped}
-    return fields
+    reading.fields["gradient_clipping"] = check_clipping("gradient_clipping", clip)
+
+
+def fields_from_deepspeed(
+    config: Mapping[str, Any], overrides: Collection[str] = ()
+) -> dict[str, Any]:
+    """Return Zero3Config keyword arguments for a DeepSpeed config mapping.
+
+    Args:
+        config: The parsed DeepSpeed JSON.
+        overrides: Zero3Config fields the caller sets itself: the file's values for
+            them are still checked but never refused for contradicting each other.
+    """
+    reading = _Reading(overrides=frozenset(overrides))
+    no_unknown("", config, {*TOP, *SPECIAL})
+    _zero_section(reading, config)
+    _precision(reading, config)
+    _data_types(reading, config)
+    _clipping(reading, config)
+    _read(reading, "", {k: v for k, v in config.items() if k in TOP}, TOP)
+    if reading.chosen:
+        _log.info(
+            "zero3: values chosen for the DeepSpeed config:\n  %s", "\n  ".join(reading.chosen)
+        )
+    if reading.unused:
+        _log.info(
+            "zero3: DeepSpeed keys zero3 does not act on (kept in Zero3Config.extras):\n  %s",
+            "\n  ".join(reading.unused),
+        )
+    reading.fields["extras"] = reading.extras
+    return reading.fields

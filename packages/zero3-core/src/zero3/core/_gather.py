@@ -29,10 +29,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zero3.comm import CommBackend, Stream, Work
-from zero3.core._params import ParamStatus, ShardedParam, fill_full
+from zero3.core._params import ParamStatus, ShardedParam, fill_full, free_full
 from zero3.core._pool import BufferPool
 
-__all__ = ["FINGERPRINT_BYTES", "FingerprintMismatchError", "GatherHandle", "GatherLayout"]
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "FingerprintMismatchError",
+    "GatherHandle",
+    "GatherLayout",
+    "verify_fingerprints",
+]
 
 FINGERPRINT_BYTES = 16
 _ALIGN = 16
@@ -55,6 +61,9 @@ class GatherLayout:
     offsets: tuple[int, ...]
     chunk_bytes: int
     param_hash: int
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def build(cls, params: Sequence[ShardedParam]) -> GatherLayout:
@@ -81,6 +90,18 @@ class GatherLayout:
         words = [_MAGIC, module_index, self.param_hash, self.chunk_bytes & 0x7FFFFFFF]
         return torch.tensor(words, dtype=torch.int32).view(torch.uint8)
 
+    def fingerprint_on(self, module_index: int, device: torch.device) -> torch.Tensor:
+        """:meth:`fingerprint` on ``device``, made once per module (read-only): copying
+        it from the host at every gather would be a blocking copy on an accelerator.
+        """
+        key = (module_index, device)
+        cached = self._on_device.get(key)
+        if cached is None:
+            with torch.inference_mode(False):
+                cached = self.fingerprint(module_index).to(device)
+            self._on_device[key] = cached
+        return cached
+
 
 class GatherHandle:
     """One coalesced gather in flight: issue on construction, :meth:`finish` to use it.
@@ -92,6 +113,13 @@ class GatherHandle:
         describe: Maps a module index to its qualified name (for error messages).
         stream: Stream to issue the gather on.
         pool: Where the send and receive buffers come from and go back to.
+        kind: ``"gather"`` (on demand), ``"prefetch"`` (ahead of use) or ``"refresh"``
+            (after an optimizer step); labels the tracer's events.
+        issued_us: When it was issued (tracer clock; 0 when not tracing).
+        verify: When the fingerprints are checked: ``"now"`` (on finish: one host
+            synchronisation per gather), ``"later"`` (kept in :attr:`prints` for one
+            batched check, :func:`verify_fingerprints`) or ``"headers"`` (not at all:
+            every rank announced this gather in an identical header beforehand).
     """
 
     def __init__(
@@ -102,11 +130,18 @@ class GatherHandle:
         describe: Callable[[int], str],
         stream: Stream | None,
         pool: BufferPool,
+        *,
+        kind: str = "gather",
+        issued_us: float = 0.0,
+        verify: str = "now",
     ) -> None:
         self.layout = layout
         self.module_index = module_index
-        self.issued_us = 0.0  # set by the coordinator when tracing
-        self.prefetch = False
+        self.kind = kind
+        self.issued_us = issued_us
+        self.verify = verify
+        #: The fingerprints as received (``verify="later"``), for :func:`verify_fingerprints`.
+        self.prints: torch.Tensor | None = None
         self._describe = describe
         self._world = comm.world_size
         device = layout.params[0].shard.device
@@ -118,12 +153,17 @@ class GatherHandle:
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.shard.element_size()
             send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
-            sp.status = ParamStatus.INFLIGHT
+            sp.set_status(ParamStatus.INFLIGHT)
             sp.handle = self
-        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint(module_index))
+        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
+
+    def received_prints(self) -> torch.Tensor:
+        """The fingerprint bytes of every rank's chunk as received (before finish)."""
+        assert self._recv is not None
+        return self._recv.view(self._world, self.layout.chunk_bytes)[:, -FINGERPRINT_BYTES:]
 
     def is_completed(self) -> bool:
         """True once the data has arrived (never blocks)."""
@@ -140,9 +180,12 @@ class GatherHandle:
             return
         self._work.wait(stream)
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
-        self._check_fingerprints(recv)
+        if self.verify == "now":
+            verify_fingerprints([self], self._describe)
+        elif self.verify == "later":
+            self.prints = recv[:, -FINGERPRINT_BYTES:].clone()
         for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
-            sp.status = ParamStatus.AVAILABLE  # first: it gives the parameter its class back
+            sp.set_status(ParamStatus.AVAILABLE)  # first: it gives the parameter its class back
             sp.handle = None
             _copy_out(sp, recv, offset, self._pool)
         # On devices the buffer goes back only after the consumer stream used it; on
@@ -150,31 +193,44 @@ class GatherHandle:
         self._pool.give(self._recv)
         self._recv, self._work = None, None
 
-    def _check_fingerprints(self, recv: torch.Tensor) -> None:
-        prints = recv[:, -FINGERPRINT_BYTES:].contiguous().view(torch.int32).cpu()
-        mine = self.layout.fingerprint(self.module_index).view(torch.int32)
-        if bool((prints == mine).all()):
-            return
+
+def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int], str]) -> None:
+    """Check the fingerprints of finished (or finishing) gathers with one host sync.
+
+    Raises:
+        FingerprintMismatchError: Some rank gathered something else; the parameters of
+            that gather are released (nothing half-gathered is left behind).
+    """
+    prints = [h.prints if h.prints is not None else h.received_prints() for h in handles]
+    if not prints:
+        return
+    got = torch.stack([p.contiguous().view(torch.int32) for p in prints]).cpu()
+    for handle, rows in zip(handles, got, strict=True):
+        mine = handle.layout.fingerprint(handle.module_index).view(torch.int32)
+        if bool((rows == mine).all()):
+            continue
         lines = []
-        for rank, words in enumerate(prints.tolist()):
+        for rank, words in enumerate(rows.tolist()):
             if words[0] != _MAGIC:
-                lines.append(
-                    f"  rank {rank}: issued a different collective or size (no zero3 fingerprint)"
-                )
+                text = "issued a different collective or size (no zero3 fingerprint)"
             else:
-                lines.append(
-                    f"  rank {rank}: module {self._describe(words[1])!r} "
-                    f"(parameter set #{words[2]:08x}, {words[3]} bytes per rank)"
+                text = (
+                    f"module {describe(words[1])!r} (parameter set #{words[2]:08x}, "
+                    f"{words[3]} bytes per rank)"
                 )
-        for sp in self.layout.params:  # leave nothing half-gathered behind
-            sp.status, sp.handle = ParamStatus.NOT_AVAILABLE, None
+            lines.append(f"  rank {rank}: {text}")
+        for sp in handle.layout.params:  # leave nothing half-gathered behind
+            if sp.status is not ParamStatus.NOT_AVAILABLE:
+                free_full(sp.param)
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+            sp.handle = None
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)
-            + "\nRanks ran different modules (data-dependent control flow, e.g. MoE routing). "
-            "Mark the module that routes as a leaf (zero3.hooks.set_leaf_modules(model, "
-            "Cls) or Zero3Config(leaf_modules=(Cls,))) so its whole subtree is gathered on "
-            "every rank."
+            + "\nRanks ran different modules (data-dependent control flow, e.g. MoE "
+            "routing). Mark the module that routes as a leaf (zero3.hooks."
+            "set_leaf_modules(model, Cls) or Zero3Config(leaf_modules=(Cls,))) so its "
+            "whole subtree is gathered on every rank."
         )
 
 

@@ -1,12 +1,13 @@
 """Partitioned parameters: the side table and the storage mechanics of release.
 
 Note (releasing memory for real):
-    Swapping ``param.data`` for a shard frees nothing while a graph is alive:
-    autograd saves the weight for backward (``F.linear`` saves it), and the saved
-    tensor shares the *storage*, so the full buffer stays referenced until backward
-    (NOTES). zero3 therefore keeps every ``nn.Parameter`` at its full shape and frees
-    its storage object in place: the saved tensors share that storage object, so the
-    bytes really go from all of them. Releasing swaps the bytes out into a spare
+    Swapping ``param.data`` for a shard frees nothing while a graph is alive: autograd
+    saves the weight for backward (``F.linear`` saves it), and the saved tensor shares
+    the *storage*, so the full buffer stays referenced until backward (measured: after
+    the swap the full buffer's ``data_ptr`` is still alive in the saved tensor;
+    docs/facts.rst). zero3 therefore keeps every ``nn.Parameter`` at its full shape and
+    frees its storage object in place: the saved tensors share that storage object, so
+    the bytes really go from all of them. Releasing swaps the bytes out into a spare
     storage (``UntypedStorage._swap_data_ptr_``) that the buffer pool may keep for the
     next gather; gathering fills a spare storage and swaps it in. Nothing is written
     through the parameter, so its version counter never moves and backward accepts the
@@ -17,19 +18,34 @@ Note (releasing memory for real):
     ``named_parameters`` see the same objects.
 
 Note (reading a released parameter):
-    A released parameter keeps its shape but has no bytes. Many torch kernels read
-    such a tensor without checking its storage (``p.sum()`` crashes the process), so
-    while released a parameter wears a subclass of its own class whose
-    ``__torch_function__`` lets metadata through (shape, dtype, device, grad,
-    requires_grad...) and turns every other op into a clear error that names the
-    parameter and says how to gather it. The class goes back the moment the
-    parameter is gathered, so forward and backward pay nothing for it.
+    A released parameter keeps its shape but has no bytes, and torch does not check:
+    ``p.sum()`` on it kills the process (SIGSEGV), and ops that make a view first
+    (``F.linear``, printing) raise torch's "setStorage: ... out of bounds for storage
+    of size 0", which names neither the parameter nor the fix. So while released a
+    parameter wears a subclass of its own class whose ``__torch_function__`` lets
+    metadata through (shape, dtype, device, grad, requires_grad...) and turns every
+    other op into a clear error that names the parameter and says how to gather it.
+    The class goes back the moment the parameter is gathered, so forward and backward
+    pay nothing for it. :meth:`ShardedParam.set_status` is the one place that changes
+    the class, together with the status.
+
+    Alternative tried: leave classes alone and push one global ``TorchFunctionMode``
+    that checks every op's arguments for released parameters. It taxes every op of the
+    process, released parameter or not: 1.2-1.3x the time of a small GPT's (TinyGPT's)
+    forward+backward (23-31 us per op), 1.4-1.9x once sharded (the mode also sees
+    zero3's own gather and copy ops), against 0.4-0.7% of the sharded step for the class
+    changes (1.4-2.5 us per release + gather, 58 per step). A global mode would also
+    stack with the user's own modes for the model's whole life. Measured by
+    ``tools/measure_tricks.py`` (torch 2.13, CPU, one thread; ranges over four runs on a
+    loaded 2-core machine).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
+import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +107,12 @@ class ShardedParam:
             steps until they exit.
         owners: Names of the modules holding it in ``_parameters`` (for messages).
         handle: The gather in flight, while INFLIGHT.
+        master: The fp32 master of this rank's real elements, where an optimizer keeps
+            one apart from :attr:`shard` (non-fp32 parameters); written together with
+            the shard by ``ShardedModelState.write_local``.
+        version: The parameter's autograd version counter when zero3 last knew its
+            whole data to equal the shards; a different counter means an in-place edit
+            (zero3's own fills and writes never move it).
     """
 
     index: int
@@ -109,14 +131,23 @@ class ShardedParam:
     pinned: int = 0
     owners: list[str] = dataclasses.field(default_factory=list)
     handle: GatherHandle | None = None
+    master: torch.Tensor | None = None
+    version: int = 0
 
     @property
     def status(self) -> ParamStatus:
-        """Whether the full data is present (setting it dresses the parameter to match)."""
+        """Whether the full data is present (change it with :meth:`set_status`)."""
         return self._status
 
-    @status.setter
-    def status(self, value: ParamStatus) -> None:
+    def set_status(self, value: ParamStatus) -> None:
+        """Record whether the full data is present, and dress the parameter to match.
+
+        This changes the class of the user's ``nn.Parameter``: leaving AVAILABLE dresses
+        it as a :class:`~zero3.core._params.ReleasedParameter` subclass of its own
+        class, becoming AVAILABLE again undresses it (see the module Note "reading a
+        released parameter" for why, and what the alternative costs). Every status
+        change goes through here, so a parameter's class and its bytes never disagree.
+        """
         self._status = value
         cls = type(self.param)
         released = issubclass(cls, ReleasedParameter)
@@ -175,7 +206,7 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
         _T.stride, _T.storage_offset, _T.is_contiguous, _T.untyped_storage, _T.data_ptr,
         _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook,
         _T.get_device, _T.is_floating_point, _T.is_complex, _T.__len__, _T.__hash__,
-        _T._is_view,
+        _T._is_view, _T._version.__get__,
     }
 )  # fmt: skip
 _TEXT = frozenset({_T.__repr__, _T.__str__, _T.__format__})
@@ -219,6 +250,13 @@ class ReleasedParameter(nn.Parameter):
         what = getattr(func, "__name__", repr(func))
         if what in ("__get__", "__set__"):  # a property: name the attribute
             what = getattr(getattr(func, "__self__", None), "__name__", what)
+        if _under_dynamo():
+            raise RuntimeError(
+                "zero3: torch.compile of a sharded model is not supported: Dynamo inspects "
+                f"the parameters (here {name!r}, `{what}`) before zero3's hooks can gather "
+                "them, and the hooks gather and release parameters, which it cannot trace. "
+                "Run the sharded model eagerly."
+            )
         raise RuntimeError(
             f"zero3: parameter {name!r} is partitioned across ranks and not gathered here, "
             f"so `{what}` cannot read it. zero3 gathers parameters inside the sharded "
@@ -226,6 +264,16 @@ class ReleasedParameter(nn.Parameter):
             "`with zero3.core.gathered_parameters([param]):` (every rank must enter it), "
             "and use zero3.hooks.full_state_dict(model) for state dicts."
         )
+
+
+def _under_dynamo() -> bool:
+    """Whether torch.compile's tracer is on the call stack (checked on errors only)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).startswith("torch._dynamo"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 _RELEASED_CLASSES: dict[type, type] = {}

@@ -48,7 +48,9 @@ class BufferPool:
         """A ``uint8`` buffer of ``nbytes`` (contents undefined).
 
         Always a normal tensor, even when called under ``torch.inference_mode()``: a
-        buffer born there could not be written by a later training step (NOTES).
+        buffer born there could not be written by a later training step ("Inplace
+        update to inference tensor outside InferenceMode is not allowed";
+        docs/facts.rst).
         """
         with torch.inference_mode(False):
             return self._take(nbytes, device)

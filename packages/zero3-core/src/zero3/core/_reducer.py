@@ -1,13 +1,13 @@
-"""GradReducer: buckets in, gradient shards out (seed §3, §5, §6).
+"""GradReducer: buckets in, gradient shards out.
 
-Note (the gradient-partition buffer and accumulation, §5.3, §6):
+Note (the gradient-partition buffer and accumulation):
     Each rank keeps one flat buffer per reduce dtype holding its shard of every
     trainable parameter's gradient, laid out bucket by bucket. The first backward of
     an accumulation window writes reductions straight into it (``copy_``); later ones
     add (``add_``), so accumulation costs no extra memory. The window ends at the
     optimizer's step or at any ``zero_grad``.
 
-Note (the epilogue, §5.4):
+Note (the epilogue):
     At the end of every backward the epilogue launches the buckets not yet launched
     (members that got no gradient here reduce as zeros), waits for every reduction,
     and runs one small all-reduce (MAX over uint8 flags) recording which parameters
@@ -17,40 +17,128 @@ Note (the epilogue, §5.4):
     parameter used inside and outside the region gets two arrivals). Those late
     gradients, if any rank has one, go through one more reduction that every rank
     joins, decided by the flags, so no rank ever waits on another.
+
+The reducer is the driver: it owns the bucket plan, the launch order, the partition
+buffer, the in-flight queue and the fingerprint check. How a bucket is reduced is a
+:class:`~zero3.core.ReducePath` (see :mod:`zero3.core._reduce_paths`).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
-from zero3.comm import CommBackend, ReduceOp, Work
-from zero3.core._buckets import FINGERPRINT_SLOTS, GradBucket, fingerprint_bits, plan_buckets
+from zero3.comm import CommBackend, ReduceOp
+from zero3.core._buckets import (
+    FINGERPRINT_SLOTS,
+    GradBucket,
+    fingerprint_bits,
+    padded_flat,
+    plan_buckets,
+)
 from zero3.core._config import Zero3Config
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._params import ShardedParam
 from zero3.core._pool import BufferPool
+from zero3.core._reduce_paths import ReducePath, Reduction, choose_path
 from zero3.core._stats import StatsBook
 from zero3.core._tracer import Tracer
 
-__all__ = ["MAX_INFLIGHT_REDUCTIONS", "GradReducer"]
+__all__ = ["MAX_INFLIGHT_REDUCTIONS", "GradReducer", "LateGradients"]
 
 #: Reductions allowed in flight before the oldest is waited for.
 MAX_INFLIGHT_REDUCTIONS = 4
 #: Fingerprint key of the late-gradient reduction.
-_LATE_KEY = 0xFFFF
-
-_Finish = Callable[[], None]
+LATE_KEY = 0xFFFF
 
 
 class _Inflight(NamedTuple):
-    work: Work
-    finish: _Finish
-    key: int
+    reduction: Reduction
     issued_us: float
+
+
+class GradPartition:
+    """This rank's gradient shards for the window: one flat buffer per reduce dtype,
+    one region per bucket (see the module Note).
+    """
+
+    def __init__(self, buckets: Sequence[GradBucket]) -> None:
+        self._buckets = list(buckets)
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def region(self, bucket: GradBucket, device: torch.device) -> torch.Tensor:
+        """The bucket's region (``bucket.stride`` elements, fingerprint slots last)."""
+        buf = self._buffers.get(bucket.dtype)
+        if buf is None:
+            numel = sum(b.stride for b in self._buckets if b.dtype == bucket.dtype)
+            buf = torch.zeros(numel, dtype=bucket.dtype, device=device)
+            self._buffers[bucket.dtype] = buf
+        return buf[bucket.partition_offset : bucket.partition_offset + bucket.stride]
+
+    def slot(self, bucket: GradBucket, position: int, device: torch.device) -> torch.Tensor:
+        """Member ``position``'s padded shard inside the bucket's region."""
+        offset = bucket.offsets[position]
+        return self.region(bucket, device)[offset : offset + bucket.params[position].shard_numel]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers (for memory accounting)."""
+        return list(self._buffers.values())
+
+
+class WholeGradients:
+    """A world of one: each gradient is its own shard, kept as autograd produced it.
+
+    The hook has taken the gradient off the parameter, so zero3 owns the tensor and
+    keeps it for the window (as plain PyTorch keeps ``param.grad``); copying it into a
+    partition buffer would add a pass over every gradient byte to each backward.
+    """
+
+    def __init__(self) -> None:
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def add(self, sp: ShardedParam, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        """Keep (first arrival of the window) or add a parameter's gradient."""
+        kept = self.kept.get(sp.index)
+        if kept is None:
+            self.kept[sp.index] = grad.detach().reshape(-1).to(dtype)
+        else:
+            kept.add_(grad.reshape(-1))
+
+
+class LateGradients:
+    """Gradients that arrived after their bucket had left (reentrant checkpointing).
+
+    They are summed per parameter and, if the flags show that any rank has one, go
+    through one extra coalesced reduce-scatter per dtype that every rank joins.
+    """
+
+    def __init__(self, comm: CommBackend) -> None:
+        self.comm = comm
+        self.grads: dict[int, torch.Tensor] = {}
+
+    def add(self, sp: ShardedParam, grad: torch.Tensor, dtype: torch.dtype) -> None:
+        """Keep (or add to) a late gradient."""
+        late = self.grads.get(sp.index)
+        cast = grad.to(dtype)
+        self.grads[sp.index] = cast if late is None else late.add_(cast)
+
+    def reduce(
+        self, members: Sequence[ShardedParam], dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Reduce the late gradients of ``members`` (zeros where this rank has none).
+
+        Returns each member's reduced shard and the fingerprint elements.
+        """
+        device = members[0].shard.device
+        outputs = [torch.empty(sp.shard_numel, dtype=dtype, device=device) for sp in members]
+        inputs = [padded_flat(sp, self.grads.get(sp.index), dtype, device) for sp in members]
+        outputs.append(torch.empty(FINGERPRINT_SLOTS, dtype=dtype, device=device))
+        inputs.append(fingerprint_bits(LATE_KEY, dtype, device).repeat(self.comm.world_size))
+        self.comm.reduce_scatter_coalesced(outputs, inputs, op=ReduceOp.AVG).wait()
+        return outputs[:-1], outputs[-1]
 
 
 class GradReducer:
@@ -64,6 +152,14 @@ class GradReducer:
         leaf_of: Parameter index → index of the leaf module that owns it.
         stats: Where counters go.
         pool: Reusable bucket buffers.
+        defer_launches: Gradients share the parameter backend (it cannot duplicate
+            itself): buckets then launch only in the epilogue, where both collective
+            sequences are in the same order on every rank.
+
+    Attributes:
+        path: The reduction strategy (:class:`~zero3.core.ReducePath`).
+        buckets: The bucket plan, in launch order.
+        micro_step: Backward passes so far in the current accumulation window.
     """
 
     def __init__(
@@ -74,33 +170,36 @@ class GradReducer:
         leaf_of: Mapping[int, int],
         stats: StatsBook,
         pool: BufferPool,
+        *,
+        defer_launches: bool = False,
     ) -> None:
         self.comm = comm
         self.config = config
         self.stats = stats
         self.pool = pool
         self.params = list(params)
+        self.defer_launches = defer_launches
         self._position = {sp.index: k for k, sp in enumerate(self.params)}
-        self.all_reduce_path = (
-            config.grad_reduce_op == "all_reduce" or not comm.capabilities.native_reduce_scatter
-        )
-        #: Private switch. False forms buckets by arrival order (DeepSpeed's way), which
-        #: desynchronizes ranks under data-dependent routing. Tests use it to show that.
-        self.fixed_buckets = True
-        #: Set when gradients share the parameter backend (it cannot duplicate itself):
-        #: then buckets launch only in the epilogue, where both sequences are in order.
-        self.defer_launches = False
-        self._in_epilogue = False
-        self.micro_step = 0
-        self._inflight: collections.deque[_Inflight] = collections.deque()
-        # Reductions run on their own stream (§3.3) so backward compute goes on; on CPU
-        # streams are no-ops and gloo's thread provides the overlap.
+        # Reductions run on their own stream so backward compute goes on; on CPU
+        # streams are no-ops and the backend's own thread provides the overlap.
         self.reduce_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
+        self.path: ReducePath = choose_path(
+            comm,
+            self.reduce_stream,
+            pool,
+            all_reduce=config.grad_reduce_op == "all_reduce",
+            contiguous=config.contiguous_gradients,
+        )
         self.tracer: Tracer | None = None
-        self._partitions: dict[torch.dtype, torch.Tensor] = {}
-        #: A world of one: each parameter's gradient for the window, kept as produced.
-        self._alone: dict[int, torch.Tensor] = {}
+        self.micro_step = 0
+        self._in_epilogue = False
+        self._inflight: collections.deque[_Inflight] = collections.deque()
+        self._fingerprints: list[tuple[int, torch.Tensor]] = []
+        self._whole = WholeGradients()
+        self._late = LateGradients(comm)
         self.replan(leaf_of)
+
+    # -- plan ------------------------------------------------------------------------------
 
     def replan(self, leaf_of: Mapping[int, int]) -> None:
         """Rebuild the buckets (leaf markings changed); only between windows."""
@@ -116,11 +215,24 @@ class GradReducer:
         for bucket in self.buckets:
             for k, sp in enumerate(bucket.params):
                 self._bucket_of[sp.index] = (bucket, k)
-        self._partitions.clear()
-        self._alone.clear()
-        n = len(self.params)
-        self._window_flags = torch.zeros(n, dtype=torch.bool)
+        self._partition = GradPartition(self.buckets)
+        self._whole = WholeGradients()
+        self._window_flags = torch.zeros(len(self.params), dtype=torch.bool)
         self._reset_backward()
+
+    def replace_params(self, params: Sequence[ShardedParam], leaf_of: Mapping[int, int]) -> None:
+        """Reduce gradients of ``params`` from now on (parameters were frozen or
+        unfrozen); only between windows.
+        """
+        self.params = list(params)
+        self._position = {sp.index: k for k, sp in enumerate(self.params)}
+        self.replan(leaf_of)
+
+    def use_path(self, path: ReducePath) -> None:
+        """Replace the reduction strategy (between windows); for custom strategies."""
+        if self.micro_step:
+            raise RuntimeError("zero3: change the reduction strategy between windows")
+        self.path = path
 
     @staticmethod
     def bucket_numel(config: Zero3Config) -> int:
@@ -141,24 +253,13 @@ class GradReducer:
         return config.reduce_bucket_size
 
     def _reset_backward(self) -> None:
-        n = len(self.params)
-        self._arrived = torch.zeros(n, dtype=torch.uint8)
-        self._late: dict[int, torch.Tensor] = {}
+        self._arrived = torch.zeros(len(self.params), dtype=torch.uint8)
+        self._late.grads.clear()
         self._next_launch = 0
-        self._dynamic: list[tuple[ShardedParam, torch.Tensor]] = []
-        self._fingerprints: list[tuple[int, torch.Tensor]] = []
         for bucket in self.buckets:
             bucket.reset()
 
-    # -- partition buffer ----------------------------------------------------------------
-
-    def _partition(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._partitions.get(dtype)
-        if buf is None:
-            numel = sum(b.stride for b in self.buckets if b.dtype == dtype)
-            buf = torch.zeros(numel, dtype=dtype, device=device)
-            self._partitions[dtype] = buf
-        return buf
+    # -- the window's gradient shards ----------------------------------------------------
 
     def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
         """This rank's padded gradient shard of ``sp`` for the current window, or None
@@ -168,21 +269,19 @@ class GradReducer:
         if position is None or not bool(self._window_flags[position]):
             return None
         if self.comm.world_size == 1:
-            return self._alone[sp.index]
+            return self._whole.kept[sp.index]
         bucket, k = self._bucket_of[sp.index]
-        buf = self._partition(bucket.dtype, sp.shard.device)
-        start = bucket.partition_offset + bucket.offsets[k]
-        return buf[start : start + sp.shard_numel]
+        return self._partition.slot(bucket, k, sp.shard.device)
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The tensors holding this rank's gradient shards (for memory accounting)."""
-        return [*self._partitions.values(), *self._alone.values()]
+        return [*self._partition.buffers(), *self._whole.kept.values()]
 
     def end_window(self) -> None:
         """End the accumulation window (optimizer step or ``zero_grad``)."""
         self.micro_step = 0
         self._window_flags.zero_()
-        self._alone.clear()
+        self._whole.kept.clear()
 
     # -- arrivals -------------------------------------------------------------------------
 
@@ -191,50 +290,23 @@ class GradReducer:
         position = self._position.get(sp.index)
         if position is None:
             return  # not trainable at setup (frozen): not part of any bucket
-        if self.comm.world_size == 1:
-            self._accumulate_alone(sp, position, grad)
-            return
         self._arrived[position] = 1
-        if not self.fixed_buckets:
-            self._arrive_dynamic(sp, grad)
-            return
         bucket, k = self._bucket_of[sp.index]
+        if self.comm.world_size == 1:
+            self._whole.add(sp, grad, bucket.dtype)
+            return
         if bucket.launched:
-            late = self._late.get(sp.index)
-            cast = grad.to(bucket.dtype)
-            self._late[sp.index] = cast if late is None else late.add_(cast)
+            self._late.add(sp, grad, bucket.dtype)
             return
         repeat = sp.index in bucket.arrived
         bucket.arrived.add(sp.index)
-        if self.config.contiguous_gradients:
-            bucket.write(k, grad, accumulate=repeat, pool=self.pool)
-        else:
-            prior = bucket.grads.get(sp.index)
-            cast = grad.to(bucket.dtype)
-            bucket.grads[sp.index] = cast if prior is None else prior.add_(cast)
+        self.path.take(bucket, k, grad, repeat)
         if len(bucket.arrived) == len(bucket.params):
             bucket.ready = True
             self._launch_ready()
 
-    def _accumulate_alone(self, sp: ShardedParam, position: int, grad: torch.Tensor) -> None:
-        """A world of one: the gradient is its own shard (no collective, no copy).
-
-        The hook has taken the gradient off the parameter, so zero3 owns the tensor and
-        keeps it for the window (as plain PyTorch keeps ``param.grad``); copying it into
-        a partition buffer would add a pass over every gradient byte to each backward.
-        """
-        dtype = self._bucket_of[sp.index][0].dtype
-        kept = self._alone.get(sp.index)
-        if kept is None:
-            self._alone[sp.index] = grad.detach().reshape(-1).to(dtype)
-        else:
-            kept.add_(grad.reshape(-1))
-        self._arrived[position] = 1
-
     def leaf_done(self, leaf_index: int) -> None:
-        """A leaf's backward finished: its buckets go now, missing members as zeros (§7)."""
-        if not self.fixed_buckets:
-            return
+        """A leaf's backward finished: its buckets go now, missing members as zeros."""
         for bucket in self.buckets:
             if bucket.leaf == leaf_index and not bucket.launched:
                 bucket.ready = True
@@ -244,133 +316,61 @@ class GradReducer:
         if self.comm.world_size == 1 or (self.defer_launches and not self._in_epilogue):
             return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
-            self._launch(self.buckets[self._next_launch])
+            bucket = self.buckets[self._next_launch]
             self._next_launch += 1
+            bucket.launched = True
+            region = self._partition.region(bucket, bucket.params[0].shard.device)
+            self._track(self.path.launch(bucket, region, accumulate=self.micro_step > 0))
 
-    # -- collectives ------------------------------------------------------------------------
+    # -- in flight ------------------------------------------------------------------------
 
-    def _launch(self, bucket: GradBucket) -> None:
-        bucket.launched = True
-        device = bucket.params[0].shard.device
-        partition = self._partition(bucket.dtype, device)
-        region = partition[bucket.partition_offset : bucket.partition_offset + bucket.stride]
-        if not self.config.contiguous_gradients:
-            if not self.all_reduce_path:
-                self._launch_discrete(bucket, region)
-                return
-            for k, sp in enumerate(bucket.params):  # all-reduce needs the flat layout
-                grad = bucket.grads.get(sp.index)
-                if grad is not None:
-                    bucket.write(k, grad, accumulate=False, pool=self.pool)
-        if bucket.flat is None:
-            bucket.flat = bucket.new_flat(device, self.pool)
-        flat = bucket.seal()
-        bucket.flat, bucket.grads = None, {}
-        self._reduce_flat(flat, region, bucket.index, bucket.payload_numel)
-
-    def _reduce_flat(
-        self, flat: torch.Tensor, region: torch.Tensor, key: int, payload_numel: int
-    ) -> None:
-        """Reduce a rank-major buffer (regions of ``region.numel()`` elements, the last
-        :data:`FINGERPRINT_SLOTS` a fingerprint) into ``region``: copy on micro-step 0,
-        else add.
-        """
-        accumulate = self.micro_step > 0
-        rank, world = self.comm.rank, self.comm.world_size
-        size = region.numel() - FINGERPRINT_SLOTS
-        if self.all_reduce_path:
-            self.reduce_stream.wait_stream(self.comm.current_stream())
-            work = self.comm.all_reduce(flat, op=ReduceOp.AVG, stream=self.reduce_stream)
-
-            def finish_all_reduce() -> None:
-                mine = flat.view(world, -1)[rank]
-                region[:size].add_(mine[:size]) if accumulate else region.copy_(mine)
-                self._fingerprints.append((key, mine[size:].clone()))
-                self.pool.give(flat)
-
-            self._count(payload_numel, flat.numel(), flat.dtype, factor=2)
-            self._track(work, finish_all_reduce, key)
-            return
-        target = torch.empty_like(region) if accumulate else region
-        self.reduce_stream.wait_stream(self.comm.current_stream())
-        work = self.comm.reduce_scatter(target, flat, op=ReduceOp.AVG, stream=self.reduce_stream)
-
-        def finish_reduce_scatter() -> None:
-            if accumulate:
-                region[:size].add_(target[:size])
-            self._fingerprints.append((key, target[size:]))
-            self.pool.give(flat)
-
-        self._count(payload_numel, flat.numel(), flat.dtype, factor=1)
-        self._track(work, finish_reduce_scatter, key)
-
-    def _launch_discrete(self, bucket: GradBucket, region: torch.Tensor) -> None:
-        """Discrete path: list reduce-scatter over the bucket's gradients."""
-        accumulate = self.micro_step > 0
-        target = torch.empty_like(region) if accumulate else region
-        outputs, inputs = [], []
-        for k, sp in enumerate(bucket.params):
-            offset = bucket.offsets[k]
-            outputs.append(target[offset : offset + sp.shard_numel])
-            inputs.append(bucket.padded_grad(k, region.device))
-        size = bucket.region_numel
-        outputs.append(target[size:])
-        bits = fingerprint_bits(bucket.index, bucket.dtype, region.device)
-        inputs.append(bits.repeat(bucket.world_size))
-        bucket.grads = {}
-        self.reduce_stream.wait_stream(self.comm.current_stream())
-        work = self.comm.reduce_scatter_coalesced(
-            outputs, inputs, op=ReduceOp.AVG, stream=self.reduce_stream
-        )
-
-        def finish() -> None:
-            if accumulate:
-                region[:size].add_(target[:size])
-            self._fingerprints.append((bucket.index, target[size:]))
-
-        self._count(bucket.payload_numel, sum(t.numel() for t in inputs), bucket.dtype, 1)
-        self._track(work, finish, bucket.index)
-
-    def _count(
-        self, payload_numel: int, buffer_numel: int, dtype: torch.dtype, factor: int
-    ) -> None:
-        stats = self.stats.current
-        elem = torch.empty((), dtype=dtype).element_size()
-        fingerprint = self.comm.world_size * FINGERPRINT_SLOTS
-        stats.reduce_collectives += 1
-        stats.reduce_payload_bytes += factor * payload_numel * elem
-        stats.reduce_fingerprint_bytes += factor * fingerprint * elem
-        stats.reduce_padding_bytes += factor * (buffer_numel - payload_numel - fingerprint) * elem
-
-    def _track(self, work: Work, finish: _Finish, key: int) -> None:
+    def _track(self, reduction: Reduction) -> None:
+        self._count(reduction)
         issued = self.tracer.now_us() if self.tracer is not None else 0.0
-        self._inflight.append(_Inflight(work, finish, key, issued))
+        self._inflight.append(_Inflight(reduction, issued))
         limit = MAX_INFLIGHT_REDUCTIONS if self.config.overlap_comm else 0
         while len(self._inflight) > limit:
             self._finish_oldest()
 
+    def _count(self, r: Reduction) -> None:
+        stats = self.stats.current
+        elem = torch.empty((), dtype=r.dtype).element_size()
+        fingerprint = self.comm.world_size * FINGERPRINT_SLOTS
+        stats.reduce_collectives += 1
+        stats.reduce_payload_bytes += r.factor * r.payload_numel * elem
+        stats.reduce_fingerprint_bytes += r.factor * fingerprint * elem
+        padding = r.buffer_numel - r.payload_numel - fingerprint
+        stats.reduce_padding_bytes += r.factor * padding * elem
+
     def _finish_oldest(self) -> None:
         entry = self._inflight.popleft()
+        reduction = entry.reduction
         tracer = self.tracer
         waited = tracer.now_us() if tracer is not None else 0.0
-        entry.work.wait(self.comm.current_stream())
-        entry.finish()
+        reduction.work.wait(self.comm.current_stream())
+        self._fingerprints.append((reduction.key, reduction.finish()))
         if tracer is not None:
             end = tracer.now_us()
-            tracer.complete(
-                f"reduce bucket {entry.key}", "reduce", entry.issued_us, end, lane="reduce"
-            )
-            tracer.complete(f"wait reduce bucket {entry.key}", "wait", waited, end)
+            name = f"reduce bucket {reduction.key}"
+            tracer.complete(name, "reduce", entry.issued_us, end, lane="reduce")
+            tracer.complete(f"wait {name}", "wait", waited, end)
+
+    def _finish_all(self) -> None:
+        while self._inflight:
+            self._finish_oldest()
 
     def _check_fingerprints(self) -> None:
-        """Every reduction's fingerprint bits must have come back exactly 0 or 1."""
+        """Every reduction's fingerprint bits must have come back exactly 0 or 1.
+
+        One host synchronisation per backward, whatever the number of buckets.
+        """
         if not self._fingerprints:
             return
         keys = [key for key, _ in self._fingerprints]
-        got = torch.stack([t.float() for _, t in self._fingerprints]).cpu()
+        got = torch.stack([t.float() for _, t in self._fingerprints])
         self._fingerprints = []
-        expected = torch.stack([fingerprint_bits(k, torch.float32) for k in keys])
-        bad = (got != expected).any(dim=1)
+        expected = torch.stack([fingerprint_bits(k, torch.float32, got.device) for k in keys])
+        bad = (got != expected).any(dim=1).cpu()
         if bool(bad.any()):
             first = int(torch.nonzero(bad)[0])
             raise FingerprintMismatchError(
@@ -380,96 +380,55 @@ class GradReducer:
                 "same trainable parameters and leaf modules."
             )
 
-    # -- arrival-order buckets (the private off switch) ------------------------------------
-
-    def _arrive_dynamic(self, sp: ShardedParam, grad: torch.Tensor) -> None:
-        self._dynamic.append((sp, grad.reshape(-1)))
-        if sum(p.padded_numel for p, _ in self._dynamic) >= self.config.reduce_bucket_size:
-            self._flush_dynamic()
-
-    def _flush_dynamic(self) -> None:
-        """Reduce the arrival-ordered gradients one parameter at a time."""
-        for sp, grad in self._dynamic:
-            bucket, k = self._bucket_of[sp.index]
-            world, size = sp.world_size, sp.shard_numel
-            flat = torch.empty(
-                world, size + FINGERPRINT_SLOTS, dtype=bucket.dtype, device=grad.device
-            )
-            padded = torch.zeros(sp.padded_numel, dtype=bucket.dtype, device=grad.device)
-            padded[: sp.numel].copy_(grad)
-            flat[:, :size].copy_(padded.view(world, size))
-            flat[:, size:] = fingerprint_bits(sp.index, bucket.dtype, grad.device)
-            scratch = torch.zeros(size + FINGERPRINT_SLOTS, dtype=bucket.dtype, device=grad.device)
-            self._reduce_flat(flat.view(-1), scratch, sp.index, sp.numel)
-            self._finish_all()
-            partition = self._partition(bucket.dtype, grad.device)
-            start = bucket.partition_offset + bucket.offsets[k]
-            if self.micro_step:
-                partition[start : start + size].add_(scratch[:size])
-            else:
-                partition[start : start + size].copy_(scratch[:size])
-        self._dynamic = []
-
-    def _finish_all(self) -> None:
-        while self._inflight:
-            self._finish_oldest()
-
-    # -- epilogue -----------------------------------------------------------------------------
+    # -- epilogue -------------------------------------------------------------------------
 
     def end_backward(self) -> None:
-        """The epilogue: flush, wait, exchange got-gradient flags, late path, reset (§5.4)."""
-        if self.fixed_buckets:
-            for bucket in self.buckets[self._next_launch :]:
-                bucket.ready = True
-            self._in_epilogue = True
-            try:
-                self._launch_ready()
-            finally:
-                self._in_epilogue = False
-        else:
-            self._flush_dynamic()
+        """The epilogue: flush, wait, exchange got-gradient flags, late path, reset."""
+        for bucket in self.buckets[self._next_launch :]:
+            bucket.ready = True
+        self._in_epilogue = True
+        try:
+            self._launch_ready()
+        finally:
+            self._in_epilogue = False
         self._finish_all()
         self._check_fingerprints()
-        n = len(self.params)
-        flags = torch.zeros(2 * n, dtype=torch.uint8)
-        flags[:n] = self._arrived
-        for index in self._late:
-            flags[n + self._position[index]] = 1
-        if n:
-            self.comm.all_reduce(flags, op=ReduceOp.MAX).wait()
-            self.stats.current.grad_flag_bytes += flags.numel()
-        got, late = flags[:n].bool(), flags[n:].bool()
+        got, late = self._exchange_flags()
         if bool(late.any()):
             self._reduce_late(late)
         self._window_flags |= got
         self.micro_step += 1
         self._reset_backward()
 
+    def _exchange_flags(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which parameters got a gradient, and which a late one, on any rank.
+
+        The flags travel on the gradient backend's device (a device backend refuses
+        host tensors); the result comes back to the host once, for both uses.
+        """
+        n = len(self.params)
+        flags = torch.zeros(2 * n, dtype=torch.uint8)
+        flags[:n] = self._arrived
+        for index in self._late.grads:
+            flags[n + self._position[index]] = 1
+        if n and self.comm.world_size > 1:
+            on_device = flags.to(self.comm.device())
+            self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
+            flags = on_device.cpu()
+            self.stats.current.grad_flag_bytes += flags.numel()
+        return flags[:n].bool(), flags[n:].bool()
+
     def _reduce_late(self, late: torch.Tensor) -> None:
-        """One extra reduction for gradients that arrived after their bucket left."""
+        """One extra reduction per dtype for gradients that arrived after their bucket."""
         members = [self.params[int(k)] for k in torch.nonzero(late).flatten()]
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for sp in members:
             by_dtype.setdefault(self._bucket_of[sp.index][0].dtype, []).append(sp)
         for dtype, group in by_dtype.items():
-            device = group[0].shard.device
-            outputs = [torch.empty(sp.shard_numel, dtype=dtype, device=device) for sp in group]
-            inputs = []
-            for sp in group:
-                padded = torch.zeros(sp.padded_numel, dtype=dtype, device=device)
-                grad = self._late.get(sp.index)
-                if grad is not None:
-                    padded[: sp.numel].copy_(grad.reshape(-1))
-                inputs.append(padded)
-            key = _LATE_KEY
-            outputs.append(torch.empty(FINGERPRINT_SLOTS, dtype=dtype, device=device))
-            inputs.append(fingerprint_bits(key, dtype, device).repeat(self.comm.world_size))
-            self.comm.reduce_scatter_coalesced(outputs, inputs, op=ReduceOp.AVG).wait()
-            self._fingerprints.append((key, outputs[-1]))
+            shards, fingerprint = self._late.reduce(group, dtype)
+            self._fingerprints.append((LATE_KEY, fingerprint))
             self.stats.current.late_reductions += 1
-            for sp, out in zip(group, outputs, strict=False):
+            for sp, shard in zip(group, shards, strict=True):
                 bucket, k = self._bucket_of[sp.index]
-                buf = self._partition(bucket.dtype, device)
-                start = bucket.partition_offset + bucket.offsets[k]
-                buf[start : start + sp.shard_numel].add_(out)
+                self._partition.slot(bucket, k, shard.device).add_(shard)
         self._check_fingerprints()

@@ -10,9 +10,16 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero3.comm import CommBackend
+from zero3.comm import CommBackend, ReduceOp
 from zero3.core import _params
-from zero3.core._config import LeafTarget, Zero3Config
+from zero3.core._config import Zero3Config
+from zero3.core._consistency import (
+    check_same_model,
+    describe_model,
+    merge_edits,
+    persistent_buffers,
+    whole,
+)
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._materialize import (
     Checkpoint,
@@ -22,13 +29,21 @@ from zero3.core._materialize import (
     is_persistent,
     own_storage,
 )
+from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core._leaves import match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
 from zero3.core._stats import StatsBook, StepStats
 from zero3.core._tracer import Tracer
 
-__all__ = ["ShardedModelState", "mark_leaf", "sharded_state", "state_of", "try_sharded_state"]
+__all__ = [
+    "ShardedModelState",
+    "mark_leaf",
+    "sharded_state",
+    "state_of",
+    "try_sharded_state",
+]
 
 _log = logging.getLogger("zero3.core")
 
@@ -38,17 +53,6 @@ _LEAF_MARKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _PENDING_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-def _class_names(module: nn.Module) -> set[str]:
-    cls = type(module)
-    return {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
-
-
-def _matches(module: nn.Module, target: LeafTarget) -> bool:
-    if isinstance(target, str):
-        return target in _class_names(module)
-    return isinstance(module, target)
 
 
 def mark_leaf(module: nn.Module) -> None:
@@ -79,16 +83,51 @@ class ShardedModelState:
         stats: Step counters.
     """
 
-    def __init__(self, module: nn.Module, config: Zero3Config, comm: CommBackend) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Zero3Config,
+        comm: CommBackend,
+        *,
+        param_init_fn: ParamInitFn | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
         self.module = module
         self.config = config
         self.comm = comm
         self.grad_comm = _duplicate(comm)
         self.stats = StatsBook(comm.world_size)
         self.modules = list(module.named_modules())
-        self.params: list[ShardedParam] = []
-        #: Indices of parameters a PartitionedOptimizer steps (each at most once).
-        self.optimized: set[int] = set()
+        # Headers before size-dependent collectives travel on a host channel of their own.
+        self.control = comm.host_channel()
+        names = [name or "<root>" for name, _ in self.modules]
+        self.guard = CollectiveGuard(self.control, comm.rank, names.__getitem__)
+        check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
+        self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
+        for sp in self.params:
+            sp.version = sp.param._version  # whole data == shards from here on
+        # The largest buffers a step needs at once: a whole-model gather (its receive
+        # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
+        # bucket reuses them (best fit). See BufferPool.
+        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        limit = model_bytes + model_bytes // comm.world_size + (1 << 20)
+        self.pool = BufferPool(limit_bytes=limit)
+        self.coordinator = ParamCoordinator(
+            comm, config, self.modules, self._direct_params(), self.stats, self.pool, self.guard
+        )
+        self._apply_leaves()
+        self._apply_pending_externals()
+        self.reducer = GradReducer(
+            self.grad_comm,
+            config,
+            [sp for sp in self.params if sp.requires_grad],
+            self._leaf_of(),
+            self.stats,
+            self.pool,
+            defer_launches=self.grad_comm is comm,
+        )
+        # Parameter index -> the optimizer stepping it (each parameter at most one).
+        self._optimizer_of: dict[int, object] = {}
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -121,12 +160,18 @@ class ShardedModelState:
                     f"parameter {name!r} of {type(module).__name__} already belongs to a "
                     "sharded model; a parameter can be sharded once (unshard the other model)"
                 )
-        state = cls(module, config, comm)
-        state._partition(param_init_fn, checkpoint)
+        state = cls(module, config, comm, param_init_fn=param_init_fn, checkpoint=checkpoint)
         _STATES[module] = state
         return state
 
-    def _partition(self, param_init_fn: ParamInitFn | None, checkpoint: Checkpoint | None) -> None:
+    def _partition(
+        self, param_init_fn: ParamInitFn | None, checkpoint: Checkpoint | None
+    ) -> list[ShardedParam]:
+        """Cast, synchronise and shard every parameter (``named_parameters()`` order).
+
+        Meta parameters are materialised straight into their shards (see
+        :class:`~zero3.core._materialize.Materializer`); the others are cut here.
+        """
         named = list(self.module.named_parameters())
         builder = Materializer(
             self.module,
@@ -148,8 +193,13 @@ class ShardedModelState:
                 tensors = [p.data for p in eager] + builder.eager_buffers()
                 broadcast_from_rank0(self.comm, tensors)
             shards = builder.run()
-            for index, (name, param) in enumerate(named):
-                self.params.append(self._shard(index, name, param, shards.get(index)))
+            return [
+                self._shard(index, name, param, shards.get(index))
+                for index, (name, param) in enumerate(named)
+            ]
+
+    def _direct_params(self) -> list[list[ShardedParam]]:
+        """For each module, the sharded parameters it owns directly (records owners)."""
         by_param = {id(sp.param): sp for sp in self.params}
         direct: list[list[ShardedParam]] = []
         for mod_name, mod in self.modules:
@@ -157,22 +207,7 @@ class ShardedModelState:
             for sp in own:
                 sp.owners.append(mod_name or "<root>")
             direct.append(own)
-        # The largest buffers a step needs at once: a whole-model gather (its receive
-        # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
-        # bucket reuses them (best fit). See BufferPool.
-        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
-        limit = model_bytes + model_bytes // self.comm.world_size + (1 << 20)
-        self.pool = BufferPool(limit_bytes=limit)
-        self.coordinator = ParamCoordinator(
-            self.comm, self.config, self.modules, direct, self.stats, self.pool
-        )
-        self._apply_leaves()
-        self._apply_pending_externals()
-        trainable = [sp for sp in self.params if sp.requires_grad]
-        self.reducer = GradReducer(
-            self.grad_comm, self.config, trainable, self._leaf_of(), self.stats, self.pool
-        )
-        self.reducer.defer_launches = self.grad_comm is self.comm
+        return direct
 
     def _shard(
         self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
@@ -213,23 +248,17 @@ class ShardedModelState:
         _PARAM_STATE[param] = self
         if not sp.persistent:
             _params.free_full(param)
-            sp.status = ParamStatus.NOT_AVAILABLE
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
         return sp
 
     def _apply_leaves(self) -> None:
-        targets = self.config.leaf_modules
-        matched: set[LeafTarget] = set()
+        matched = match_leaf_modules(
+            self.module, self.config.leaf_modules, source="Zero3Config.leaf_modules"
+        )
+        chosen = {id(mod) for _, mod in matched}
         for index, (_, mod) in enumerate(self.modules):
-            hit = [t for t in targets if _matches(mod, t)]
-            matched.update(hit)
-            if hit or mod in _LEAF_MARKED:
+            if id(mod) in chosen or mod in _LEAF_MARKED:
                 self.coordinator.set_leaf(index, True)
-        missing = [t for t in targets if t not in matched]
-        if missing:
-            raise ValueError(
-                f"Zero3Config.leaf_modules: no module of {type(self.module).__name__} matches "
-                f"{missing!r} (give classes, or qualified/bare class names of submodules)"
-            )
 
     def _apply_pending_externals(self) -> None:
         for index, (_, mod) in enumerate(self.modules):
@@ -290,12 +319,249 @@ class ShardedModelState:
         for trace in self.coordinator.traces.values():
             trace.invalidate()
 
+    # -- the step, driven by zero3.hooks ----------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """The outermost forward starts: open a step unless one awaits its backward.
+
+        Grad mode picks the kind: with grad enabled a training step (its trace spans the
+        backward that follows), without it an inference step (forward only).
+        """
+        if not self.coordinator.step_open:
+            self.coordinator.begin_step(training=torch.is_grad_enabled())
+
+    def fetch(self, module: nn.Module, *, forward: bool) -> None:
+        """Make ``module``'s parameters whole here: gather, wait, then prefetch ahead.
+
+        A backward that runs after its step was closed (a second backward through a
+        retained graph) opens a new step of its own.
+        """
+        self.begin_forward()
+        self.coordinator.fetch_sub_module(module, forward)
+
+    def release(self, module: nn.Module) -> None:
+        """``module`` finished (forward or backward): release what is not reused soon."""
+        self.coordinator.release_sub_module(module)
+
+    def fetch_set(self, module_index: int) -> list[ShardedParam]:
+        """The non-persistent parameters gathered for a module (direct, external, leaf)."""
+        return self.coordinator.fetch_set(module_index)
+
+    def use_external(self, module_index: int, sp: ShardedParam, *, forward: bool) -> None:
+        """The running module reads ``sp``, which it does not own: from now on ``sp`` is
+        gathered with it, and it is gathered (and held under the module) at once.
+        """
+        if self.coordinator.add_external(module_index, sp):
+            self.coordinator.fetch_params([sp], module_index, forward=forward)
+
+    def hold_for_step(self, sp: ShardedParam) -> None:
+        """The root module returned ``sp``: keep it whole until the step ends."""
+        if not sp.persistent:
+            sp.holds += 1
+
+    def end_forward(self, *, backward_pending: bool) -> None:
+        """The outermost forward ended; the step ends too unless a backward will follow."""
+        coordinator = self.coordinator
+        if coordinator.step_open and (not coordinator.training_step or not backward_pending):
+            coordinator.end_step(self.params)
+            self.synchronize()
+
+    def on_grad(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """A parameter's full gradient for this backward (zero3 now owns ``grad``)."""
+        self.reducer.on_grad(sp, grad)
+
+    def backward_done(self, module_index: int) -> None:
+        """Gradients reached the module's inputs: release it, reduce a leaf's buckets."""
+        self.coordinator.release_sub_module(self.modules[module_index][1])
+        if self.coordinator.is_leaf(module_index):
+            self.reducer.leaf_done(module_index)
+
+    def end_backward(self) -> None:
+        """The epilogue: reduce what is left, then release everything and end the step."""
+        self.reducer.end_backward()
+        if self.coordinator.step_open:
+            self.coordinator.end_step(self.params)
+
+    def end_window(self) -> None:
+        """End the gradient accumulation window (an optimizer step or a ``zero_grad``)."""
+        self.reducer.end_window()
+
+    # -- the optimizer's side (zero3.optim drives these) ----------------------------------
+
+    def claim(self, params: Iterable[ShardedParam], optimizer: object) -> None:
+        """Record that ``optimizer`` steps ``params``; each parameter has one optimizer.
+
+        Raises:
+            ValueError: A parameter already belongs to another optimizer.
+        """
+        params = list(params)
+        self.synchronize()  # edits made since sharding (re-initialised weights) first
+        for sp in params:
+            owner = self._optimizer_of.get(sp.index)
+            if owner is not None and owner is not optimizer:
+                raise ValueError(
+                    f"PartitionedOptimizer: parameter {sp.name!r} is already stepped by "
+                    "another PartitionedOptimizer; give each parameter to one optimizer"
+                )
+        for sp in params:
+            self._optimizer_of[sp.index] = optimizer
+
+    def owns(self, param: torch.Tensor) -> ShardedParam | None:
+        """The sharded state of ``param`` if it is a parameter of this model, else None."""
+        sp = _params.lookup(param)
+        return sp if sp is not None and _PARAM_STATE.get(param) is self else None
+
+    def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
+        """This rank's padded gradient shard of ``sp`` for the window (None: no gradient
+        on any rank).
+        """
+        return self.reducer.grad_shard(sp)
+
+    def adopt_master(self, sp: ShardedParam, region: torch.Tensor) -> torch.Tensor:
+        """An optimizer keeps ``sp``'s fp32 master in ``region`` (``shard_numel``
+        elements): copy the shard in and return the master's real elements.
+
+        An fp32 parameter's shard *moves* into the region (one copy of the fp32 state,
+        nothing to write back); any other dtype keeps its shard and the region becomes
+        its master, which :meth:`write_local` keeps in step with edits made outside the
+        optimizer (loading, ``gathered_parameters(modifier_rank=...)``).
+        """
+        region.copy_(sp.shard)
+        master = region[: sp.local_numel]
+        if sp.dtype == torch.float32 and not sp.aliases_param:
+            sp.shard = region
+        else:
+            sp.master = master
+        return master
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """A small all-reduce on the gradient backend (norms, overflow flags), counted."""
+        with waiting_for(
+            lambda: (
+                f"rank {self.comm.rank} timed out in the optimizer's all-reduce "
+                f"(step {self.coordinator.steps})"
+            )
+        ):
+            self.grad_comm.all_reduce(tensor, op=op).wait()
+        self.stats.current.other_collectives += 1
+
+    def publish(self, params: Iterable[ShardedParam]) -> None:
+        """New values were written into these parameters' shards (an optimizer step):
+        the ones whole on this rank are gathered again, in one refresh.
+        """
+        whole = [
+            sp
+            for sp in params
+            if not sp.aliases_param and (sp.persistent or sp.status is ParamStatus.AVAILABLE)
+        ]
+        self.coordinator.refresh(whole)
+
+    # -- consistency across ranks --------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Merge every rank's in-place edits of whole parameters into the shards and
+        masters, and give every rank rank 0's changed buffers (see the Notes of
+        :mod:`zero3.core._consistency`). A collective; zero3 calls it when an optimizer
+        is built and before it steps, at the end of inference forwards, before state
+        dicts and when unsharding.
+        """
+        if self.comm.world_size == 1:
+            return
+        edited: dict[int, torch.Tensor | None] = dict(self.coordinator.edits)
+        for sp in self.params:
+            if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
+                edited[sp.index] = sp.param.detach()
+        n = len(self.params)
+        flags = torch.zeros(n, dtype=torch.uint8)
+        for index in edited:
+            flags[index] = 1
+        step = self.coordinator.steps
+        self.guard.check(Op(OpKind.SYNC, step, 0, -1, n, flags.numel()))
+        with waiting_for(lambda: f"rank {self.comm.rank} timed out synchronising step {step}"):
+            on_device = flags.to(self.comm.device())
+            self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
+            flagged = [self.params[int(i)] for i in torch.nonzero(on_device.cpu()).flatten()]
+            if flagged:
+                merge_edits(self, edited, flagged)
+            buffers = persistent_buffers(self.module)
+            if buffers:
+                broadcast_from_rank0(self.comm, buffers)
+        self.coordinator.edits.clear()
+        for sp in flagged:
+            sp.version = sp.param._version
+        self.coordinator.refresh([sp for sp in flagged if whole(sp) and not sp.aliases_param])
+        self.stats.current.other_collectives += 1
+
+    def agree(self, kind: OpKind) -> None:
+        """Check that every rank enters the same collective helper now (``kind``);
+        raises on every rank, naming what each one does, if not.
+        """
+        self.guard.check(Op(kind, self.coordinator.steps))
+
+    def refresh_trainable(self) -> list[ShardedParam]:
+        """Re-plan gradient buckets if parameters were frozen or unfrozen since sharding;
+        returns the parameters that became trainable (they need gradient hooks).
+
+        Raises:
+            RuntimeError: The set changed in the middle of an accumulation window.
+        """
+        trainable = [sp for sp in self.params if sp.requires_grad]
+        planned = self.reducer.params
+        if [sp.index for sp in trainable] == [sp.index for sp in planned]:
+            return []
+        if self.reducer.micro_step:
+            changed = sorted({sp.name for sp in trainable} ^ {sp.name for sp in planned})
+            raise RuntimeError(
+                f"zero3: requires_grad changed for {changed[:5]} in the middle of a gradient "
+                "accumulation window; freeze or unfreeze parameters between optimizer steps"
+            )
+        known = {sp.index for sp in planned}
+        self.reducer.replace_params(trainable, self._leaf_of())
+        return [sp for sp in trainable if sp.index not in known]
+
+    # -- writing parameter values ---------------------------------------------------------
+
+    def write_local(self, sp: ShardedParam, values: torch.Tensor, *, masters: bool = True) -> None:
+        """Set this rank's real elements of ``sp``: its shard, and (``masters``) its fp32
+        master if an optimizer keeps one apart. The whole parameter is not touched.
+        """
+        with torch.no_grad():
+            sp.shard[: values.numel()].copy_(values)
+            if masters and sp.master is not None:
+                sp.master.copy_(values)
+
+    def write_full(self, sp: ShardedParam, flat: torch.Tensor, *, masters: bool = True) -> None:
+        """Set ``sp`` from its full values (``numel`` elements, flat): this rank's shard
+        and (``masters``) master, and the parameter itself where it is whole here.
+        """
+        start, stop = sp.valid_range(sp.rank)
+        self.write_local(sp, flat[start:stop], masters=masters)
+        if sp.status is ParamStatus.AVAILABLE and not sp.aliases_param:
+            _params.write_full(sp.param, flat)
+        # The whole data (if any) equals the shards again: no edit pending.
+        sp.version = sp.param._version
+        self.coordinator.edits.pop(sp.index, None)
+
+    def full_grad(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp``'s full gradient for the window, gathered from every rank (a collective)."""
+        shard = self.reducer.grad_shard(sp)
+        if shard is None:
+            return None
+        nbytes = shard.numel() * shard.element_size()
+        self.guard.check(Op(OpKind.FULL_GRAD, self.coordinator.steps, 0, -1, sp.index, nbytes))
+        out = torch.empty(sp.padded_numel, dtype=shard.dtype, device=shard.device)
+        with waiting_for(lambda: f"rank {self.comm.rank} timed out in full_grad({sp.name!r})"):
+            self.grad_comm.all_gather(out, shard.contiguous()).wait()
+        self.stats.current.other_collectives += 1
+        return out[: sp.numel].view(sp.shape)
+
     # -- teardown -------------------------------------------------------------------------
 
     def unshard(self) -> None:
         """Gather every parameter for good and forget the partitioning."""
         if self.coordinator.step_open:
             self.coordinator.end_step(self.params)
+        self.synchronize()
         self.coordinator.fetch_params(self.params, -1, forward=True)
         for sp in self.params:
             _params.unregister(sp.param)
@@ -303,6 +569,8 @@ class ShardedModelState:
         _STATES.pop(self.module, None)
         if self.grad_comm is not self.comm:
             self.grad_comm.close()
+        if self.control is not None:
+            self.control.close()
 
 
 def _duplicate(comm: CommBackend) -> CommBackend:

@@ -1,4 +1,4 @@
-"""The recorded module order of a step, and what follows from it (seed §2.3, §2.4).
+"""The recorded module order of a step, and what follows from it (prefetch, reuse).
 
 Note:
     A trace is recorded over one whole step (forward *and* backward for training,

@@ -10,7 +10,7 @@ Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inferenc
         logits = model(tokens)
 """
 
-from zero3.core import empty_init
+from zero3.core import LoadResult, empty_init, full_state_dict, load_full_state_dict
 from zero3.hooks._shard import (
     ShardedModule,
     memory_stats,
@@ -19,7 +19,6 @@ from zero3.hooks._shard import (
     stats,
     unshard_module,
 )
-from zero3.hooks._state_dict import LoadResult, full_state_dict, load_full_state_dict
 
 __all__ = [
     "LoadResult",

@@ -1,4 +1,4 @@
-"""Autograd Functions that put the backward hooks into the graph (seed §4.2).
+"""Autograd Functions that put the backward hooks into the graph.
 
 Note:
     ``register_full_backward_hook`` fires unreliably with several outputs, in-place

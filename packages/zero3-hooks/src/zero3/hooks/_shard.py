@@ -11,16 +11,18 @@ from torch import nn
 
 from zero3.comm import CommBackend, create_backend
 from zero3.core import (
+    LeafTarget,
     MemoryStats,
     ShardedModelState,
     StepStats,
     WeightSource,
     Zero3Config,
+    mark_leaf,
+    match_leaf_modules,
     sharded_state,
+    try_sharded_state,
 )
 from zero3.core import memory_stats as _core_memory_stats
-from zero3.core._config import LeafTarget
-from zero3.core._state import _matches, mark_leaf, try_sharded_state
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
@@ -44,6 +46,22 @@ class ShardedModule:
     ShardedModule)`` tells it is sharded. The mixin makes ``model.zero_grad()`` end
     the gradient accumulation window (trainers such as the HF Trainer call the
     module's ``zero_grad``, not the optimizer's).
+
+    Note (why the class changes):
+        zero3 owns the gradients (``param.grad`` is always None on a sharded model), so
+        the window must end when the user clears gradients. torch has no hook on
+        ``nn.Module.zero_grad``, and setting an already-None ``.grad`` to None changes
+        nothing zero3 could observe. The HF Trainer (transformers 5.24) calls
+        ``model.zero_grad()`` when training starts and after every optimizer step.
+        Without the mixin, the gradients of a backward that is thrown away (a probe, a
+        batch the loop skips) stay in the window and are added to the next one's:
+        ``tools/measure_tricks.py`` runs backward A, ``model.zero_grad()``, backward B,
+        and finds the window's gradient off from B's by 1.27x B's norm with plain
+        ``nn.Module.zero_grad``, and equal to it with the mixin. The alternatives
+        change the user's object too (a ``zero_grad`` instance attribute shadowing the
+        method) or rely on every training loop calling the optimizer's ``zero_grad``.
+        FSDP2 makes the same choice: ``fully_shard`` swaps the module's class for one
+        mixing in ``FSDPModule``.
     """
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -51,7 +69,7 @@ class ShardedModule:
         super().zero_grad(set_to_none)  # type: ignore[misc]
         state = try_sharded_state(self)  # type: ignore[arg-type]
         if state is not None:
-            state.reducer.end_window()
+            state.end_window()
 
 
 def _sharded_class(cls: type) -> type:
@@ -149,10 +167,7 @@ def shard_module(
     state = ShardedModelState.create(
         module, config, comm, param_init_fn=param_init_fn, checkpoint=checkpoint
     )
-    hooks = install_hooks(state)
-    for handle in install_state_dict_guards(state):
-        hooks.add_handle(handle)
-    _HOOKS[module] = hooks
+    _HOOKS[module] = _install(state)
     module.__class__ = _sharded_class(type(module))
     return module
 
@@ -201,7 +216,8 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
 
     Args:
         module: The (root) model.
-        *targets: Module classes, or qualified or bare class names.
+        *targets: Module classes, qualified or bare class names, or
+            :class:`~zero3.core.ModulePath` places in the model.
 
     Returns:
         The qualified names of the modules marked.
@@ -211,31 +227,26 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
     """
     if not targets:
         raise ValueError("set_leaf_modules needs at least one class or class name")
-    marked, matched = [], set()
     state = try_sharded_state(module)
-    for name, sub in module.named_modules():
-        hit = [t for t in targets if _matches(sub, t)]
-        if not hit:
-            continue
-        matched.update(hit)
-        marked.append(name or "<root>")
+    matched = match_leaf_modules(module, targets, source="set_leaf_modules")
+    for _, sub in matched:
         if state is None:
             mark_leaf(sub)
         else:
             state.set_leaf(sub, True)
-    missing = [t for t in targets if t not in matched]
-    if missing:
-        raise ValueError(
-            f"set_leaf_modules: no submodule of {type(module).__name__} matches {missing!r}"
-        )
+    marked = [name or "<root>" for name, _ in matched]
     if state is not None:
-        hooks = _HOOKS[module]
-        hooks.remove()
-        fresh = install_hooks(state)
-        for handle in install_state_dict_guards(state):
-            fresh.add_handle(handle)
-        _HOOKS[module] = fresh
+        _HOOKS[module].remove()
+        _HOOKS[module] = _install(state)
     return marked
+
+
+def _install(state: ShardedModelState) -> ModelHooks:
+    """Module hooks and state-dict guards for ``state``, removable together."""
+    hooks = install_hooks(state)
+    for handle in install_state_dict_guards(state):
+        hooks.add_handle(handle)
+    return hooks
 
 
 def _hooks_of(module: nn.Module) -> ModelHooks:

@@ -1,23 +1,26 @@
-"""State dicts of sharded modules: never empty or shard-shaped by accident."""
+"""Guards on ``state_dict()`` / ``load_state_dict()`` of sharded modules: never empty or
+shard-shaped by accident.
+
+The state-dict functions themselves (full and sharded) live in ``zero3.core``;
+``zero3.hooks`` re-exports ``full_state_dict``, ``load_full_state_dict`` and ``LoadResult``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch import nn
 
-from zero3.core import ShardedModelState, gathered_parameters, sharded_state
-from zero3.core._params import ParamStatus, lookup, write_full
+from zero3.core import ParamStatus, ShardedModelState, sharded_param
 
-__all__ = ["LoadResult", "full_state_dict", "install_state_dict_guards", "load_full_state_dict"]
+__all__ = ["install_state_dict_guards"]
 
 
 def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     for name, param in dict.items(module._parameters):
         if param is not None:
-            sp = lookup(param)
+            sp = sharded_param(param)
             if sp is not None and not sp.persistent:
                 yield name, param
 
@@ -25,13 +28,14 @@ def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
 def _refuse_unavailable(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """state_dict pre-hook: a partitioned parameter has no data to save here."""
     for name, param in _sharded_items(module):
-        sp = lookup(param)
+        sp = sharded_param(param)
         if sp is None or sp.status is not ParamStatus.AVAILABLE:
             raise RuntimeError(
                 f"state_dict() of a sharded module: parameter {prefix + name!r} is partitioned "
                 "across ranks and not gathered here, so its entry would hold no data. Use "
                 "zero3.hooks.full_state_dict(model, rank0_only=False) (every rank calls it; "
-                "it gathers module by module)."
+                "it gathers module by module), or save a sharded checkpoint with "
+                "zero3.optim.save_checkpoint."
             )
 
 
@@ -66,98 +70,3 @@ def install_state_dict_guards(state: ShardedModelState) -> list[Any]:
             handles.append(module.register_state_dict_post_hook(_copy_gathered))
             handles.append(module.register_load_state_dict_pre_hook(_load_guard))
     return handles
-
-
-def _entries(root: nn.Module) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
-    """(key, owning module, tensor) for every state-dict entry, tied names included."""
-    for prefix, module in root.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, param in dict.items(module._parameters):
-            if param is not None:
-                yield dot + name, module, param
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                yield dot + name, module, buf
-
-
-def full_state_dict(module: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of a sharded module, gathered module by module.
-
-    A collective: every rank must call it. Peak extra memory is one module's
-    parameters. Keys equal those of the unsharded model's ``state_dict()``; values are
-    CPU copies.
-
-    Args:
-        module: A module returned by :func:`shard_module`.
-        rank0_only: Only rank 0 keeps the tensors (the others return ``{}``, having
-            taken part in the gathers).
-    """
-    state = sharded_state(module)
-    keep = not rank0_only or state.comm.rank == 0
-    out: dict[str, torch.Tensor] = {}
-    copies: dict[int, torch.Tensor] = {}
-    by_module: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for key, mod, tensor in _entries(module):
-        by_module.setdefault(id(mod), []).append((key, tensor))
-    for entries in by_module.values():
-        with gathered_parameters([t for _, t in entries if isinstance(t, nn.Parameter)]):
-            for key, tensor in entries:
-                if keep:
-                    if id(tensor) not in copies:
-                        copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
-                    out[key] = copies[id(tensor)]
-    return out
-
-
-class LoadResult(NamedTuple):
-    """Keys :func:`load_full_state_dict` could not match."""
-
-    #: Keys of the model that the state dict lacks.
-    missing_keys: list[str]
-    #: Keys of the state dict that the model lacks.
-    unexpected_keys: list[str]
-
-
-def load_full_state_dict(
-    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
-) -> LoadResult:
-    """Load a full (unsharded) state dict into a sharded module.
-
-    Each rank writes its own shard of every parameter from the full tensors (so every
-    rank needs the full state dict, e.g. loaded with ``mmap=True``); persistent and
-    currently gathered parameters are updated whole too. No collective is needed.
-    Build the :class:`~zero3.optim.PartitionedOptimizer` after loading: its fp32
-    masters are copied from the shards when it is created.
-
-    Raises:
-        RuntimeError: With ``strict``, missing or unexpected keys; always, a shape
-            mismatch (naming the key and both shapes).
-    """
-    sharded_state(module)  # a clear error for a module that is not sharded
-    expected = {key: tensor for key, _, tensor in _entries(module)}
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
-        )
-    with torch.no_grad():
-        for key, target in expected.items():
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(target.shape):
-                raise RuntimeError(
-                    f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
-                    f"dict but {tuple(target.shape)} in the model"
-                )
-            sp = lookup(target)
-            if sp is None:
-                target.copy_(value)
-                continue
-            flat = value.reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
-            start, stop = sp.valid_range(sp.rank)
-            sp.shard[: stop - start].copy_(flat[start:stop])
-            if sp.status is ParamStatus.AVAILABLE:
-                write_full(sp.param, flat)
-    return LoadResult(missing, unexpected)

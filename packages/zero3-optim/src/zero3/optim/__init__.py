@@ -1,4 +1,5 @@
-"""zero3.optim: PartitionedOptimizer — sharded training that equals one-process training.
+"""zero3.optim: PartitionedOptimizer — sharded training that equals one-process training —
+and checkpoints that load at any world size.
 
 ::
 
@@ -6,9 +7,19 @@
     loss.backward()
     opt.step()
     opt.zero_grad()
+    save_checkpoint("ckpt", model, opt, extra={"step": step})
 """
 
+from zero3.optim._checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
+from zero3.optim._consolidate import consolidate_checkpoint
 from zero3.optim._loss_scale import LossScaler
 from zero3.optim._optimizer import PartitionedOptimizer
 
-__all__ = ["LossScaler", "PartitionedOptimizer"]
+__all__ = [
+    "LossScaler",
+    "PartitionedOptimizer",
+    "consolidate_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wait_for_pending_saves",
+]

@@ -1,4 +1,4 @@
-"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer (seed §8).
+"""PartitionedOptimizer: fp32 master shards stepped by any torch-style optimizer.
 
 Note (what the wrapped optimizer sees):
     Each rank owns a 1/N slice of every parameter. Its fp32 master copy lives in flat
@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from zero3.comm import ReduceOp
-from zero3.core import ShardedModelState, ShardedParam, sharded_state
-from zero3.core._coordinator import GATHERED_PARAMETERS
-from zero3.core._gather import GatherHandle, GatherLayout
-from zero3.core._params import ParamStatus, lookup
+from zero3.core import ShardedModelState, ShardedParam, sharded_param, sharded_state
+from zero3.optim import _optim_checkpoint
 from zero3.optim._loss_scale import LossScaler
 
 __all__ = ["PartitionedOptimizer"]
@@ -179,19 +177,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for g_index, g in enumerate(groups):
             members: list[ShardedParam] = []
             for p in g["params"]:
-                sp = lookup(p)
-                if sp is None or sp not in self._zstate.params:
+                sp = self._zstate.owns(p)
+                if sp is None:
                     raise ValueError(
                         f"PartitionedOptimizer: a parameter of shape {tuple(p.shape)} in group "
                         f"{g_index} is not a parameter of this sharded module"
                     )
-                if sp.index in self._zstate.optimized:
-                    raise ValueError(
-                        f"PartitionedOptimizer: parameter {sp.name!r} is already stepped by "
-                        "another PartitionedOptimizer; give each parameter to one optimizer"
-                    )
                 members.append(sp)
-            self._zstate.optimized.update(sp.index for sp in members)
+            self._zstate.claim(members, self)
             chunk: list[ShardedParam] = []
             size = 0
             for sp in [*members, None]:
@@ -220,19 +213,21 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         views, aliased = [], []
         for sp, offset in zip(members, offsets, strict=True):
             region = master[offset : offset + sp.shard_numel]
-            region.copy_(sp.shard)
-            views.append(region[: sp.local_numel])
             # An fp32 parameter's shard moves into its master region (flat mode needs the
             # sub-group contiguous): one copy of the fp32 state, nothing to write back.
-            fp32 = sp.dtype == torch.float32 and not sp.aliases_param
-            if fp32:
-                sp.shard = region
-            aliased.append(fp32)
+            views.append(self._zstate.adopt_master(sp, region))
+            aliased.append(sp.dtype == torch.float32 and not sp.aliases_param)
         return _SubGroup(group, members, offsets, master, views, aliased)
+
+    def master_shards(self) -> list[torch.Tensor]:
+        """Every optimized parameter's fp32 master shard (this rank's real elements), in
+        parameter-group order: the tensors the wrapped optimizer steps (unless ``flat``).
+        """
+        return [view for sg in self._subgroups for view in sg.views]
 
     def master_shard(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master shard (this rank's real elements) of a model parameter."""
-        sp = lookup(param)
+        sp = sharded_param(param)
         for sg in self._subgroups:
             for member, view in zip(sg.params, sg.views, strict=True):
                 if member is sp:
@@ -244,20 +239,21 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def _grad_shards(self) -> list[tuple[_SubGroup, int, torch.Tensor]]:
         """(sub-group, member position, this rank's real gradient elements) with a grad."""
         out = []
-        reducer = self._zstate.reducer
         for sg in self._subgroups:
             for k, sp in enumerate(sg.params):
-                shard = reducer.grad_shard(sp)
+                shard = self._zstate.grad_shard(sp)
                 if shard is not None:
                     out.append((sg, k, shard[: sp.local_numel]))
         return out
 
-    def _all_reduce_scalar(self, value: float, op: ReduceOp) -> float:
-        comm = self._zstate.grad_comm
-        t = torch.tensor([value], dtype=torch.float64, device=comm.device())
-        comm.all_reduce(t, op=op).wait()
-        self._zstate.stats.current.other_collectives += 1
-        return float(t.item())
+    def _all_reduce_scalar(self, local: torch.Tensor, op: ReduceOp) -> float:
+        """Reduce a one-element tensor over ranks; the one host sync of its caller."""
+        value = local.reshape(1).to(device=self._zstate.grad_comm.device(), dtype=torch.float32)
+        self._zstate.all_reduce(value, op)
+        return float(value.item())
+
+    def _zero(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float32, device=self._zstate.grad_comm.device())
 
     def _unscale(self) -> None:
         if self.fp16 and not self._grads_unscaled:
@@ -267,9 +263,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._grads_unscaled = True
 
     def _global_norm(self) -> float:
-        local = 0.0
-        for _, _, grad in self._grad_shards():
-            local += float(grad.float().pow(2).sum())
+        # Norms stay on the device until the one all-reduce: no host sync per parameter.
+        grads = [grad for _, _, grad in self._grad_shards()]
+        local = self._zero()
+        if grads:
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+            local = torch.stack(norms).to(local.device).pow(2).sum()
         return math.sqrt(self._all_reduce_scalar(local, ReduceOp.SUM))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -301,11 +300,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return self.scaler.scale if self.fp16 else 1.0
 
     def _overflow(self) -> bool:
-        local = 0.0
-        for _, _, grad in self._grad_shards():
-            if not bool(torch.isfinite(grad).all()):
-                local = 1.0
-                break
+        # One flag per rank, computed on the device: no host sync per parameter.
+        grads = [grad for _, _, grad in self._grad_shards()]
+        local = self._zero()
+        if grads:
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            local = (~finite).to(local.device, torch.float32)
         return self._all_reduce_scalar(local, ReduceOp.MAX) > 0
 
     # -- step ----------------------------------------------------------------------------------
@@ -328,6 +328,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         tracer = self._zstate.tracer
         start = tracer.now_us() if tracer is not None else 0.0
         try:
+            # Edits made to whole parameters since the last step reach the masters first.
+            self._zstate.synchronize()
             if self.fp16 and self._overflow():
                 self.scaler.update(overflow=True)
                 return loss
@@ -351,7 +353,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         Sub-groups are batched while their elements fit in ``sub_group_size``, so with
         the default the wrapped optimizer steps once; a smaller ``sub_group_size`` bounds
         the fp32 gradient memory of one batch and the optimizer steps once per batch
-        (the other batches' tensors have grad None then, so it skips them; seed §8).
+        (the other batches' tensors have grad None then, so it skips them).
         """
         limit = self._zstate.config.sub_group_size
         batch: list[_SubGroup] = []
@@ -380,8 +382,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def _set_grads(self, sg: _SubGroup, scratch_offset: int) -> int:
         """Attach fp32 gradients to a sub-group's tensors; return the elements given."""
-        reducer = self._zstate.reducer
-        grads = [reducer.grad_shard(sp) for sp in sg.params]
+        grads = [self._zstate.grad_shard(sp) for sp in sg.params]
         if all(g is None for g in grads):
             return 0
         if self.flat and sg.master is not None:
@@ -410,34 +411,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return self._fp32_scratch[:numel]
 
     def _write_back(self) -> None:
-        refresh: list[ShardedParam] = []
+        """Copy stepped masters into non-fp32 shards; whole parameters are refreshed."""
         for sg in self._subgroups:
             for sp, view, aliased in zip(sg.params, sg.views, sg.aliased, strict=True):
                 if not aliased:
                     sp.shard[: sp.local_numel].copy_(view)
-                whole = sp.persistent or sp.status is ParamStatus.AVAILABLE
-                if whole and not sp.aliases_param:
-                    refresh.append(sp)
-        if refresh:
-            self._refresh(refresh)
-
-    def _refresh(self, params: Sequence[ShardedParam]) -> None:
-        """One coalesced gather re-assembling whole parameters from updated shards."""
-        state = self._zstate
-        ordered = sorted(params, key=lambda sp: sp.index)
-        layout = GatherLayout.build(ordered)
-        coordinator = state.coordinator
-        handle = GatherHandle(
-            state.comm, layout, GATHERED_PARAMETERS, coordinator.describe, None, state.pool
-        )
-        handle.finish(state.comm.current_stream())
-        stats = state.stats.current
-        stats.refresh_gathers += 1
-        stats.refresh_bytes += layout.chunk_bytes * state.comm.world_size
+        self._zstate.publish(sp for sg in self._subgroups for sp in sg.params)
 
     def _end_window(self) -> None:
         self._grads_unscaled = False
-        self._zstate.reducer.end_window()
+        self._zstate.end_window()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """End the gradient accumulation window (gradients live in zero3's shards)."""
@@ -458,11 +441,50 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state for ``torch.distributed.checkpoint``, by parameter name.
+
+        fp32 masters that are separate copies (``master``), per-element state tensors
+        (``state``) as ShardedTensors in the parameters' natural shapes (views of this
+        rank's slices, no copy), scalar state such as ``step`` (``scalars``), the param
+        groups with their parameters by name (``param_groups``) and the loss scaler
+        (``scaler``). DCP saves it at one world size and loads it at another. Not a
+        collective. ``zero3.optim.save_checkpoint`` saves it beside the model.
+
+        Raises:
+            ValueError: The wrapped optimizer keeps state that is neither a per-element
+                tensor nor a scalar (naming the state key and the parameter).
+        """
+        return _optim_checkpoint.sharded_state(self)
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`sharded_state_dict` contents (filled by ``dcp.load``, at any world
+        size) into this optimizer, then write the masters back into the model.
+
+        The model's weights must be loaded first: where the checkpoint holds no
+        separate master for a parameter, the master is refreshed from the model's shard.
+        A collective (persistent parameters are re-gathered).
+
+        Raises:
+            CheckpointMismatchError: The param groups list other parameters (by name),
+                or the state names parameters this optimizer does not step.
+        """
+        _optim_checkpoint.load_sharded_state(self, state_dict)
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state, fp32 masters and loss scale (per-rank file)."""
+        """This rank's state, for a file per rank (same rank, same world size only).
+
+        Follows ``torch.optim.Optimizer.state_dict()``'s contract (``state`` and
+        ``param_groups`` of the wrapped optimizer, so trainers that save and restore it
+        work), plus zero3's per-rank entries: the fp32 masters, the loss scaler, and the
+        rank and world size it belongs to. For checkpoints that load at any world size
+        use :meth:`sharded_state_dict` (or ``zero3.optim.save_checkpoint``).
+        """
         comm = self._zstate.comm
+        inner = self.optimizer.state_dict()
         return {
-            "inner": self.optimizer.state_dict(),
+            "state": inner["state"],
+            "param_groups": inner["param_groups"],
             "masters": [torch.cat([v.detach() for v in sg.views]) for sg in self._subgroups],
             "layout": [[sp.name for sp in sg.params] for sg in self._subgroups],
             "flat": self.flat,
@@ -481,8 +503,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "PartitionedOptimizer.load_state_dict: the state was saved by rank "
                 f"{state_dict.get('rank')} of {state_dict.get('world_size')}, this is rank "
-                f"{comm.rank} of {comm.world_size}; load each rank's own file (resharding "
-                "to another world size is not supported yet)"
+                f"{comm.rank} of {comm.world_size}; load each rank's own file, or use "
+                "zero3.optim.load_checkpoint, which reshards"
             )
         layout = [[sp.name for sp in sg.params] for sg in self._subgroups]
         if state_dict.get("layout") != layout or state_dict.get("flat") != self.flat:
@@ -490,7 +512,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 "PartitionedOptimizer.load_state_dict: the parameter groups differ from the "
                 "ones the state was saved with (names, order, sub_group_size or flat)"
             )
-        self.optimizer.load_state_dict(state_dict["inner"])
+        inner = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
+        self.optimizer.load_state_dict(inner)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         with torch.no_grad():

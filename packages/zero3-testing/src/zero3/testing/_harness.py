@@ -1,16 +1,17 @@
 """Pooled multi-process worker groups for multi-rank tests.
 
 Note:
-    Spawning a gloo world costs seconds (NOTES: ~5 s at world 2, ~12 s at world 4, plus
-    ~7 s per process to import transformers), so a test suite cannot afford fresh ranks
-    per case. A :class:`WorkerGroup` spawns its ranks once, initializes gloo through a
-    file store in a temp dir with a short timeout, and then runs case after case sent
-    over pipes (DeepSpeed's ``DistributedTest`` and FSDP's ``run_subtests`` are the
-    precedents). Cases are shipped with cloudpickle; functions defined in test modules
-    are pickled by value, so they need not be importable in the workers (pytest's
-    importlib mode makes ``tests.*`` unimportable there). A case that fails reports
-    every failing rank's traceback; a case that hangs past its timeout gets its ranks'
-    stacks dumped and the group torn down, so the next case starts on a fresh group.
+    Spawning a gloo world costs seconds (measured: ~5 s at world 2, ~12 s at world 4,
+    plus ~7 s per process to import transformers; docs/facts.rst), so a test suite
+    cannot afford fresh ranks per case. A :class:`WorkerGroup` spawns its ranks once,
+    initializes gloo through a file store in a temp dir with a short timeout, and then
+    runs case after case sent over pipes (DeepSpeed's ``DistributedTest`` and FSDP's
+    ``run_subtests`` are the precedents). Cases are shipped with cloudpickle; functions
+    defined in test modules are pickled by value, so they need not be importable in the
+    workers (pytest's importlib mode makes ``tests.*`` unimportable there). A case that
+    fails reports every failing rank's traceback; a case that hangs past its timeout
+    gets its ranks' stacks dumped and the group torn down, so the next case starts on a
+    fresh group.
 """
 
 from __future__ import annotations

@@ -97,7 +97,9 @@ class TinyGPT(nn.Module):
 
 
 class AlbertLike(nn.Module):
-    """One block applied three times (ALBERT's shared layers, seed §4.2)."""
+    """One block applied three times (ALBERT's shared layers): one module whose hooks
+    fire three times per forward and per backward.
+    """
 
     def __init__(self, dim: int = 24, repeats: int = 3) -> None:
         super().__init__()
@@ -126,7 +128,9 @@ class WithBias(nn.Module):
 
 
 class BiasReturning(nn.Module):
-    """A caller that adds the bias a child returns (seed §4.4)."""
+    """A caller that adds the bias a child returns: a "dangling" parameter, which leaves
+    its module through the output and is used by the caller.
+    """
 
     def __init__(self, dim: int = 16) -> None:
         super().__init__()
@@ -223,8 +227,10 @@ class MoE(nn.Module):
 class Checkpointed(nn.Module):
     """Blocks run under ``torch.utils.checkpoint``; ``shared`` is used inside and outside.
 
-    With reentrant checkpointing the inner backward delivers ``shared``'s gradient in
-    two parts (NOTES), which must accumulate, never reduce twice.
+    With reentrant checkpointing the inner backward (the recomputed region) and the
+    outer one each deliver a part of ``shared``'s gradient: its post-accumulate-grad
+    hook fires twice in one backward (docs/facts.rst). The parts must accumulate, never
+    reduce twice.
     """
 
     def __init__(self, reentrant: bool, dim: int = 16, layers: int = 2) -> None:

@@ -1,0 +1,121 @@
+"""The ranks of a checkpoint: DCP's own gloo group, and errors raised on every rank."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from zero3.core._checkpoint_format import CheckpointError
+from zero3.core._state import ShardedModelState, sharded_state
+
+__all__ = ["checkpoint_group", "global_ranks", "raise_on_every_rank"]
+
+_GLOBAL_RANKS: weakref.WeakKeyDictionary[ShardedModelState, list[int]] = weakref.WeakKeyDictionary()
+# ranks -> (the default group it was made under, the checkpoint group)
+_GROUPS: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+
+
+def global_ranks(state: ShardedModelState) -> list[int]:
+    """Global rank of each rank of the model's sharding group.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized (the ``mpi`` backend runs
+            without it), or the backend's ranks cannot be placed in it.
+    """
+    ranks = _GLOBAL_RANKS.get(state)
+    if ranks is None:
+        comm = state.comm
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"sharded checkpoints need torch.distributed: torch.distributed.checkpoint "
+                f"coordinates ranks over a process group, and the {comm.name!r} comm backend "
+                "runs without one. Use a torch.distributed backend (gloo, nccl, hccl) for "
+                "sharded checkpoints, or zero3.core.full_state_dict for full weights."
+            )
+        group = getattr(comm, "group", None)
+        if isinstance(group, dist.ProcessGroup):
+            ranks = list(dist.get_process_group_ranks(group))
+        elif dist.get_world_size() == comm.world_size:
+            ranks = list(range(comm.world_size))
+        else:
+            raise RuntimeError(
+                f"sharded checkpoints: the {comm.name!r} comm backend spans {comm.world_size} "
+                f"ranks but names no torch.distributed group, and the default group has "
+                f"{dist.get_world_size()}; zero3 cannot tell which ranks hold the shards"
+            )
+        _GLOBAL_RANKS[state] = ranks
+    return ranks
+
+
+def checkpoint_group(module: nn.Module) -> dist.ProcessGroup | None:
+    """A gloo group over the sharding group's ranks for DCP's collectives (None in a
+    world of one). Collective on first use for a set of ranks; cached afterwards.
+
+    Note:
+        DCP coordinates a save with collectives (plans, results). ``async_save`` runs
+        them on a background thread while training goes on: on the group training
+        uses, the two sequences interleave differently on each rank and hang (seen
+        with gloo). DCP's metadata exchange is also CPU-side, which NCCL cannot do. So
+        checkpoints get a gloo group of their own, with the model's comm timeout.
+    """
+    state = sharded_state(module)
+    if state.comm.world_size == 1:
+        return None
+    ranks = tuple(global_ranks(state))
+    world = dist.group.WORLD
+    cached = _GROUPS.get(ranks)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    group = dist.new_group(
+        ranks=list(ranks),
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=state.comm.timeout_s),
+        use_local_synchronization=len(ranks) != dist.get_world_size(),
+    )
+    assert isinstance(group, dist.ProcessGroup)
+    _GROUPS[ranks] = (world, group)
+    return group
+
+
+def raise_on_every_rank(group: dist.ProcessGroup | None, error: BaseException | None) -> None:
+    """Turn one rank's failure into the same error on every rank (a collective).
+
+    Each rank passes its own error or None. If any rank failed, every rank raises:
+    a failed rank its own exception, the others the first failure (same class where
+    it can be rebuilt, else :class:`CheckpointError`), marked with the rank it came
+    from. A rank that died meanwhile shows up as a :class:`CheckpointError`.
+    """
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    payload: Any = None
+    if error is not None:
+        try:
+            payload = pickle.dumps(error)
+        except Exception:
+            payload = pickle.dumps(CheckpointError(str(error)))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(gathered, payload, group=group)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"a rank left during a checkpoint operation ({first})"
+            + (f"; this rank had failed too: {error}" if error is not None else "")
+        ) from error
+    if error is not None:
+        raise error
+    for rank, item in enumerate(gathered):
+        if item is not None:
+            remote = pickle.loads(item)
+            try:
+                copy = type(remote)(f"{remote} (raised on rank {rank})")
+            except Exception:
+                copy = CheckpointError(f"{remote} (raised on rank {rank})")
+            raise copy

@@ -1,0 +1,319 @@
+"""A PartitionedOptimizer's state by parameter name, in the parameters' natural shapes.
+
+Note (what is saved, and how it reshards):
+    The wrapped optimizer sees 1-D master shards (or, with ``flat=True``, one flat
+    tensor per sub-group), so its state is per rank and per shard. For a checkpoint
+    that loads at any world size each piece is put back in parameter terms:
+
+    * ``master.<name>``: the fp32 master of a parameter whose master is a separate
+      copy (bf16/fp16 parameters); an fp32 parameter's master *is* its shard, saved
+      under ``model.``.
+    * ``state.<name>.<key>``: a per-element state tensor (Adam's moments...), shaped
+      like the parameter, as a ShardedTensor of this rank's slice (``flat=True``
+      state is cut per parameter first).
+    * ``scalars.<name>.<key>``: 0-d tensors and numbers (``step``...): the same on
+      every rank, one copy kept.
+    * ``param_groups``: each group's hyperparameters, its parameters by name.
+    * ``scaler``: the fp16 loss scaler.
+
+    Any other kind of state (a tensor of another shape, a list, an object) cannot be
+    resliced for another world size, so saving it is an error naming the key. Loading
+    builds the wrapped optimizer's ``state_dict()`` for this rank's shards and hands it
+    to the wrapped optimizer's own ``load_state_dict`` (which casts and places tensors
+    as torch always does), then writes the masters back into the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zero3.core import (
+    CHECKPOINT_LAYOUT,
+    CheckpointMismatchError,
+    CheckpointReader,
+    ShardedParam,
+    local_flat,
+    sharded_like,
+)
+
+if TYPE_CHECKING:
+    from zero3.optim._optimizer import PartitionedOptimizer, _SubGroup
+
+__all__ = ["load_sharded_state", "load_template", "sharded_state"]
+
+_L = CHECKPOINT_LAYOUT
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _members(opt: PartitionedOptimizer) -> Iterator[tuple[_SubGroup, int, ShardedParam]]:
+    for sg in opt._subgroups:
+        for k, sp in enumerate(sg.params):
+            yield sg, k, sp
+
+
+def _owner(opt: PartitionedOptimizer, sg: _SubGroup, k: int) -> torch.Tensor:
+    """The tensor the wrapped optimizer keys this member's state by."""
+    return sg.master if opt.flat and sg.master is not None else sg.views[k]
+
+
+def _local(opt: PartitionedOptimizer, sg: _SubGroup, k: int, value: torch.Tensor) -> torch.Tensor:
+    """A member's elements of a per-element state tensor of its owner."""
+    if opt.flat and sg.master is not None:
+        sp = sg.params[k]
+        return value[sg.offsets[k] : sg.offsets[k] + sp.local_numel]
+    return value
+
+
+def _kind(
+    opt: PartitionedOptimizer, sp: ShardedParam, owner: torch.Tensor, key: str, value: Any
+) -> str:
+    if isinstance(value, torch.Tensor) and value.shape == owner.shape and value.dim() == 1:
+        return "element"
+    if (isinstance(value, torch.Tensor) and value.dim() == 0) or isinstance(value, _PLAIN):
+        return "scalar"
+    what = (
+        f"a tensor of shape {tuple(value.shape)}"
+        if isinstance(value, torch.Tensor)
+        else f"a {type(value).__name__}"
+    )
+    raise ValueError(
+        f"PartitionedOptimizer.sharded_state_dict: {type(opt.optimizer).__name__} keeps state "
+        f"{key!r} of parameter {sp.name!r} as {what}; a sharded checkpoint holds per-element "
+        f"tensors (shaped like the master shard, {tuple(owner.shape)}) and scalars only, "
+        "since nothing else can be resliced for another world size"
+    )
+
+
+def sharded_state(opt: PartitionedOptimizer) -> dict[str, Any]:
+    """See :meth:`PartitionedOptimizer.sharded_state_dict`."""
+    masters: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for sg, k, sp in _members(opt):
+        if not sg.aliased[k]:
+            masters[sp.name] = sharded_like(sp, sg.views[k])
+        owner = _owner(opt, sg, k)
+        for key, value in opt.optimizer.state.get(owner, {}).items():
+            if _kind(opt, sp, owner, key, value) == "element":
+                local = _local(opt, sg, k, value)
+                state.setdefault(sp.name, {})[key] = sharded_like(sp, local)
+            else:
+                plain = value.detach() if isinstance(value, torch.Tensor) else value
+                scalars.setdefault(sp.name, {})[key] = plain
+    return {
+        "param_groups": _named_groups(opt),
+        "master": masters,
+        "state": state,
+        "scalars": scalars,
+        "scaler": opt.scaler.state_dict(),
+    }
+
+
+def _group_names(opt: PartitionedOptimizer) -> list[list[str]]:
+    names: list[list[str]] = [[] for _ in opt.optimizer.param_groups]
+    for sg, _, sp in _members(opt):
+        names[sg.group].append(sp.name)
+    return names
+
+
+def _named_groups(opt: PartitionedOptimizer) -> list[dict[str, Any]]:
+    out = []
+    for group, names in zip(opt.optimizer.param_groups, _group_names(opt), strict=True):
+        options = {k: v for k, v in group.items() if k != "params"}
+        out.append({**options, "params": names})
+    return out
+
+
+def _check_groups(opt: PartitionedOptimizer, saved: Any) -> None:
+    current = _group_names(opt)
+    saved_names = [list(g.get("params", [])) for g in saved] if isinstance(saved, list) else None
+    if saved_names != current:
+        if saved_names is None or len(saved_names) != len(current):
+            count = "?" if saved_names is None else len(saved_names)
+            detail = f"{count} param groups saved, {len(current)} here"
+        else:
+            g = next(i for i, (a, b) in enumerate(zip(saved_names, current, strict=True)) if a != b)
+            only_saved = sorted(set(saved_names[g]) - set(current[g]))[:5]
+            only_here = sorted(set(current[g]) - set(saved_names[g]))[:5]
+            detail = (
+                f"group {g} differs: saved only {only_saved}, here only {only_here}"
+                if only_saved or only_here
+                else f"group {g} lists the same parameters in another order"
+            )
+        raise CheckpointMismatchError(
+            f"optimizer state of another parameter layout: {detail} (build the optimizer "
+            "with the same param groups as the run that saved)"
+        )
+
+
+def load_sharded_state(opt: PartitionedOptimizer, sd: Mapping[str, Any]) -> None:
+    """See :meth:`PartitionedOptimizer.load_sharded_state_dict`."""
+    _check_groups(opt, sd.get("param_groups"))
+    by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
+    for section in ("master", "state", "scalars"):
+        unknown = sorted(set(sd.get(section, {})) - set(by_name))
+        if unknown:
+            raise CheckpointMismatchError(
+                f"optimizer state for parameters this optimizer does not step: {unknown[:5]}"
+            )
+    with torch.no_grad():
+        _load_masters(opt, sd.get("master", {}))
+    inner = opt.optimizer.state_dict()
+    owners = [p for group in opt.optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(owners)}
+    new_state: dict[int, dict[str, Any]] = {}
+    for sg in opt._subgroups:
+        flat = opt.flat and sg.master is not None
+        for k in [0] if flat else range(len(sg.params)):
+            entry = _owner_state(opt, sg, k, sd)
+            if entry:
+                new_state[index[id(_owner(opt, sg, k))]] = entry
+    groups = [
+        {**{key: v for key, v in saved.items() if key != "params"}, "params": mine["params"]}
+        for saved, mine in zip(sd["param_groups"], inner["param_groups"], strict=True)
+    ]
+    opt.optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+    opt.param_groups = opt.optimizer.param_groups
+    opt.state = opt.optimizer.state
+    if "scaler" in sd:
+        opt.scaler.load_state_dict(dict(sd["scaler"]))
+    with torch.no_grad():
+        opt._write_back()
+
+
+def _load_masters(opt: PartitionedOptimizer, masters: Mapping[str, Any]) -> None:
+    """Masters from the checkpoint; where it has none, from the (loaded) model shards."""
+    for sg, k, sp in _members(opt):
+        view = sg.views[k]
+        if sp.name in masters:
+            local = local_flat(masters[sp.name], sp)
+            if local.numel() and local.data_ptr() != view.data_ptr():
+                view.copy_(local)
+        elif not sg.aliased[k] and view.numel():
+            view.copy_(sp.shard[: sp.local_numel])
+
+
+def _owner_state(
+    opt: PartitionedOptimizer, sg: _SubGroup, k: int, sd: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The wrapped optimizer's state for one owner tensor, from the named state."""
+    state, scalars = sd.get("state", {}), sd.get("scalars", {})
+    if not (opt.flat and sg.master is not None):
+        sp = sg.params[k]
+        entry = {key: local_flat(v, sp) for key, v in state.get(sp.name, {}).items()}
+        entry.update(scalars.get(sp.name, {}))
+        return entry
+    # flat: one tensor per sub-group; members' slices laid out at their offsets.
+    entry = {}
+    keys = {key for sp in sg.params for key in state.get(sp.name, {})}
+    for key in sorted(keys):
+        parts = [
+            (i, state[sp.name][key])
+            for i, sp in enumerate(sg.params)
+            if key in state.get(sp.name, {})
+        ]
+        locals_ = {i: local_flat(v, sg.params[i]) for i, v in parts}
+        dtype = next(iter(locals_.values())).dtype
+        flat = _flat_buffer(sg, locals_, dtype)
+        entry[key] = flat
+    for sp in sg.params:
+        for key, value in scalars.get(sp.name, {}).items():
+            entry.setdefault(key, value)  # members share one scalar (e.g. step)
+    return entry
+
+
+def _flat_buffer(
+    sg: _SubGroup, locals_: dict[int, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """The sub-group's flat tensor holding the members' slices; reuses the buffer the
+    slices already live in (the load template's) instead of copying.
+    """
+    assert sg.master is not None
+    numel = sg.master.numel()
+    first_i, first = next(iter(locals_.items()))
+    if first.numel():
+        base = first.untyped_storage()
+        start = first.storage_offset() - sg.offsets[first_i]
+        if start >= 0 and base.nbytes() >= (start + numel) * first.element_size():
+            candidate = torch.empty(0, dtype=dtype, device=first.device).set_(
+                base, start, (numel,), (1,)
+            )
+            if all(
+                v.numel() == 0 or v.data_ptr() == candidate[sg.offsets[i] :].data_ptr()
+                for i, v in locals_.items()
+            ):
+                return candidate
+    flat = torch.zeros(numel, dtype=dtype, device=sg.master.device)
+    for i, v in locals_.items():
+        flat[sg.offsets[i] : sg.offsets[i] + v.numel()].copy_(v)
+    return flat
+
+
+def load_template(opt: PartitionedOptimizer, reader: CheckpointReader) -> dict[str, Any]:
+    """Destinations for ``dcp.load`` of a checkpoint's optimizer section.
+
+    Masters and per-element state of this rank land in place (the masters, the
+    existing state tensors) or in new buffers (a fresh optimizer has no state yet);
+    plain values get placeholders DCP fills.
+    """
+    by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
+    stray = [
+        name
+        for part in ("master", "state", "scalars")
+        for name in reader.section_keys(_L.optim, part)
+        if name not in by_name
+    ]
+    if stray:
+        raise CheckpointMismatchError(
+            f"checkpoint {reader.path} holds optimizer state for parameters this optimizer "
+            f"does not step: {sorted(stray)[:5]}"
+        )
+    masters = {}
+    for name in reader.section_keys(_L.optim, "master"):
+        sg, k = by_name[name]
+        masters[name] = sharded_like(sg.params[k], sg.views[k])
+    state: dict[str, dict[str, Any]] = {}
+    fresh: dict[tuple[int, str], torch.Tensor] = {}
+    for name in reader.section_keys(_L.optim, "state"):
+        sg, k = by_name[name]
+        for key in reader.section_keys(_L.optim, "state", name):
+            dtype = reader.entry_dtype(_L.fqn(_L.optim, "state", name, key))
+            local = _state_buffer(opt, sg, k, key, dtype, fresh)
+            state.setdefault(name, {})[key] = sharded_like(sg.params[k], local)
+    return {
+        "param_groups": reader.template(_L.optim, "param_groups"),
+        "master": masters,
+        "state": state,
+        "scalars": reader.template(_L.optim, "scalars"),
+        "scaler": reader.template(_L.optim, "scaler"),
+    }
+
+
+def _state_buffer(
+    opt: PartitionedOptimizer,
+    sg: _SubGroup,
+    k: int,
+    key: str,
+    dtype: torch.dtype,
+    fresh: dict[tuple[int, str], torch.Tensor],
+) -> torch.Tensor:
+    """Where a member's slice of a per-element state loads: in place if the optimizer
+    has that state already, else a new buffer (one per sub-group with ``flat=True``).
+    """
+    owner = _owner(opt, sg, k)
+    existing = opt.optimizer.state.get(owner, {}).get(key)
+    usable = isinstance(existing, torch.Tensor) and existing.shape == owner.shape
+    if not usable or existing.dtype != dtype:
+        existing = None
+    if existing is None:
+        if opt.flat and sg.master is not None:
+            existing = fresh.get((id(sg), key))
+            if existing is None:
+                existing = torch.zeros(owner.numel(), dtype=dtype, device=owner.device)
+                fresh[(id(sg), key)] = existing
+        else:
+            existing = torch.empty(owner.numel(), dtype=dtype, device=owner.device)
+    return _local(opt, sg, k, existing)

@@ -1,0 +1,210 @@
+"""A finished run exits 0 without any cleanup call: zero3's exit handler (zero3.comm._teardown).
+
+The torchrun test runs the user script of tools/exit_check.py through that tool; the
+pooled tests call the handler's function directly and check what it destroyed, what
+it left, and that it returns when a collective cannot finish.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero3.comm import CommError, GlooBackend
+
+pytestmark = pytest.mark.multirank
+
+ROOT = Path(__file__).resolve().parent.parent
+USER_SCRIPT = ROOT / "tools" / "_exit" / "zero3_user.py"
+
+# Runs the user script unchanged, after registering an exit hook that runs after
+# zero3's (atexit runs handlers newest first) and fails the rank (exit 3) if a gloo
+# worker thread is still alive then: the threads whose GIL request aborts finalization.
+_CHECKED_RUN = """\
+import atexit, os, runpy, sys
+
+def _gloo_workers():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{{tid}}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return [n for n in names if n.startswith("pt_gloo")]
+
+def _check():
+    left = _gloo_workers()
+    if left:
+        print(f"gloo worker threads alive after zero3's exit handler: {{left}}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)
+
+atexit.register(_check)
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def gloo_workers() -> list[str]:
+    """Names of this process's gloo worker threads (one pair per live gloo group)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if n.startswith("pt_gloo")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_user_script_without_cleanup_exits_zero_every_time(tmp_path):
+    script = tmp_path / "checked_run.py"
+    script.write_text(_CHECKED_RUN.format(script=str(USER_SCRIPT)))
+    out = tmp_path / "tally.json"
+    cmd = [
+        sys.executable, str(ROOT / "tools" / "exit_check.py"), "--runs", "5",
+        "--scripts", str(script), "--timeout", "150", "--json", str(out),
+        "--logs", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=880, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (tally,) = json.loads(out.read_text())
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*")))
+    assert tally["runs"] == 5, result.stdout
+    assert (tally["failed"], tally["aborted"], tally["hung"]) == (0, 0, 0), result.stdout + logs
+
+
+# -- the handler, called directly in pooled workers ----------------------------------------
+# The pool's default group was created by the harness (the user's): the handler must
+# leave it. Its duplicates are zero3's.
+
+
+def _release_destroys_zero3_groups() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from zero3.comm import _teardown
+
+    # Close what earlier cases in this worker left, and free their garbage first, so that
+    # no group of theirs goes away while this case counts threads.
+    gc.collect()
+    _teardown.release_at_exit(wait_s=0.0)
+    gc.collect()
+    before = gloo_workers()
+    comm = GlooBackend(timeout_s=30)  # on the harness's group
+    twin = comm.duplicate()  # a group zero3 creates
+    created = twin.process_group
+    assert created is not None and any(g is created for g in _teardown.zero3_groups())
+    # Each gloo group starts two worker threads, which name themselves once they run.
+    deadline = time.monotonic() + 30
+    while len(gloo_workers()) < len(before) + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(gloo_workers()) == len(before) + 2
+    rank = comm.rank
+
+    # A waited-for collective keeps no reference to its tensors.
+    buf = torch.ones(1000)
+    ref = weakref.ref(buf)
+    work = comm.all_reduce(buf)
+    work.wait()
+    del buf
+    deadline = time.monotonic() + 30  # gloo's worker thread lets go of its reference too
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.001)
+    kept = ref() is not None
+
+    # Collectives nobody waits for, on both groups: the handler waits for them.
+    x = torch.full((1000,), float(rank + 1))
+    y = torch.full((1000,), float(rank + 1))
+    twin.all_reduce(x)
+    comm.all_reduce(y)
+    _teardown.release_at_exit(wait_s=30.0)
+    try:
+        comm.all_reduce(torch.ones(1)).wait()
+        refused = ""
+    except CommError as exc:
+        refused = str(exc)
+    destroyed_already = False
+    try:
+        dist.destroy_process_group(created)
+    except ValueError:  # "Invalid process group specified": the handler destroyed it
+        destroyed_already = True
+    forgotten = not any(g is created for g in _teardown.zero3_groups())
+    del created  # the last reference: the group's destructor ends its threads now
+    gc.collect()
+    after = gloo_workers()
+    users = torch.ones(1)
+    dist.all_reduce(users)  # the harness's group still works
+    return {
+        "kept": kept,
+        "x": x.tolist() == [3.0] * 1000,
+        "y": y.tolist() == [3.0] * 1000,
+        "closed": (comm.process_group, twin.process_group) == (None, None),
+        "forgotten": forgotten,
+        "threads_back": sorted(after) == sorted(before),
+        "refused": refused,
+        "destroyed": destroyed_already,
+        "users_group": float(users),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_release_destroys_zero3_groups_and_leaves_the_users(worker_pool):
+    results = worker_pool(2).run(_release_destroys_zero3_groups, timeout=150)
+    for rank, r in enumerate(results):
+        assert not r["kept"], (rank, "a waited-for collective still holds its tensor")
+        assert r["x"] and r["y"], (rank, "collectives nobody waited for were not completed")
+        assert r["closed"] and r["forgotten"] and r["destroyed"], (rank, r)
+        assert r["threads_back"], (rank, "the duplicate's gloo threads are still alive")
+        assert "closed" in r["refused"] and "all_reduce" in r["refused"], r["refused"]
+        assert r["users_group"] == 2.0
+
+
+def _stuck_group_is_left() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from zero3.comm import _teardown
+
+    _teardown.release_at_exit(wait_s=0.0)
+    comm = GlooBackend(timeout_s=60)
+    twin = comm.duplicate()
+    created = twin.process_group
+    x = torch.full((8,), float(comm.rank + 1))
+    result: dict[str, object] = {}
+    if comm.rank == 0:
+        work = twin.all_reduce(x)  # rank 1 issues its side only after the barrier below
+        sys.last_value = RuntimeError("an uncaught error")  # what the interpreter sets
+        try:
+            _teardown.release_at_exit()  # after an uncaught exception: no wait at all
+        finally:
+            del sys.last_value
+        result["left_open"] = twin.process_group is created
+        result["still_listed"] = any(g is created for g in _teardown.zero3_groups())
+        result["pending_done"] = work.is_completed()
+    dist.barrier()
+    if comm.rank == 1:
+        twin.all_reduce(x).wait()
+    _teardown.release_at_exit(wait_s=60.0)  # now it can finish: destroyed and closed
+    result["closed"] = twin.process_group is None
+    result["forgotten"] = not any(g is created for g in _teardown.zero3_groups())
+    result["x"] = x.tolist() == [3.0] * 8
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_a_collective_that_cannot_finish_leaves_its_group_and_does_not_wait(worker_pool):
+    r0, r1 = worker_pool(2).run(_stuck_group_is_left, timeout=150)
+    assert r0["left_open"] and r0["still_listed"] and not r0["pending_done"], r0
+    for r in (r0, r1):
+        assert r["closed"] and r["forgotten"] and r["x"], r
