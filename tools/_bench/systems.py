@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _train.report import peak_rss_bytes, rss_baseline
 
 # Imported before init_process_group on purpose: imported later (any optimizer imports it,
 # through torch._dynamo), its default arguments keep the default group alive past
 # destroy_process_group(), and the group's gloo threads can then abort the finished rank
 # at interpreter exit (zero3.comm._teardown explains the abort).
 import torch.distributed.nn
+from _train.report import peak_rss_bytes, rss_baseline
 
 from _bench import phases
 from _bench.workload import Workload, batch, build

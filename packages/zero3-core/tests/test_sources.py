@@ -1,33 +1,12 @@
-"""Weight sources: flat ranges as boxes, the safetensors reader and its layouts."""
+"""Weight sources: the safetensors reader and its layouts (boxes: test_checkpoint_format)."""
 
-import itertools
 import json
-import math
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from zero3.core import SafetensorsSource, WeightSource, open_weight_source
-from zero3.core._sources import flat_boxes
-
-SHAPES = [(7,), (4, 10), (3, 4, 5), (2, 3, 1, 4), (5, 1), (1, 6)]
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_flat_boxes_are_exactly_the_range(shape):
-    numel = math.prod(shape)
-    full = torch.arange(numel).view(shape)
-    for start, stop in itertools.combinations_with_replacement(range(numel + 1), 2):
-        boxes = flat_boxes(shape, start, stop)
-        got = torch.cat([full[box].reshape(-1) for box in boxes]) if boxes else torch.empty(0)
-        assert torch.equal(got.long(), torch.arange(start, stop)), (shape, start, stop)
-        assert len(boxes) <= 2 * len(shape) - 1
-
-
-def test_flat_boxes_of_a_scalar():
-    assert flat_boxes((), 0, 1) == [()]
-    assert flat_boxes((), 0, 0) == []
 
 
 def _tensors():

@@ -34,16 +34,16 @@ from zero3.core._checkpoint_reader import CheckpointReader
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._empty import empty_init
+from zero3.core._full_state_dict import LoadResult, full_state_dict, load_full_state_dict
 from zero3.core._gather import FingerprintMismatchError
+from zero3.core._guard import OpKind
+from zero3.core._leaves import LeafTarget, ModulePath, match_leaf_modules
 from zero3.core._memory import (
     MemoryStats,
     ModelStatesEstimate,
     estimate_model_states,
     memory_stats,
 )
-from zero3.core._full_state_dict import LoadResult, full_state_dict, load_full_state_dict
-from zero3.core._guard import OpKind
-from zero3.core._leaves import LeafTarget, ModulePath, match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._pool import BufferPool
 from zero3.core._reduce_paths import (
@@ -54,7 +54,6 @@ from zero3.core._reduce_paths import (
     Reduction,
 )
 from zero3.core._reducer import GradReducer
-from zero3.core._sources import SafetensorsSource, WeightSource, open_weight_source
 from zero3.core._sharded_state_dict import (
     clone_state_dict,
     flat_boxes,
@@ -63,6 +62,7 @@ from zero3.core._sharded_state_dict import (
     sharded_like,
     sharded_state_dict,
 )
+from zero3.core._sources import SafetensorsSource, WeightSource, open_weight_source
 from zero3.core._state import (
     ShardedModelState,
     mark_leaf,
@@ -74,10 +74,10 @@ from zero3.core._trace import TraceState
 from zero3.core._tracer import Tracer
 
 __all__ = [
-    "AllReducePath",
-    "BufferPool",
     "CHECKPOINT_FORMAT_VERSION",
     "CHECKPOINT_LAYOUT",
+    "AllReducePath",
+    "BufferPool",
     "CheckpointError",
     "CheckpointLayout",
     "CheckpointLoadPlanner",

@@ -58,6 +58,7 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from zero3.core._checkpoint_dist import global_ranks
 from zero3.core._full_state_dict import LoadResult, state_dict_entries
 from zero3.core._params import ParamStatus, ShardedParam, lookup
+from zero3.core._sources import Box, flat_boxes
 from zero3.core._state import ShardedModelState, sharded_state, state_of
 
 __all__ = [
@@ -69,43 +70,6 @@ __all__ = [
     "sharded_like",
     "sharded_state_dict",
 ]
-
-#: A box of a tensor: (offsets, sizes), one entry per dimension.
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[Box]:
-    """The boxes making up the flat elements ``[start, stop)`` of a row-major tensor.
-
-    The boxes come in flat order and each is contiguous in it, so box ``k`` is the
-    next ``prod(sizes_k)`` elements of the range: at most ``2*(ndim-1)+1`` of them.
-
-    Example::
-
-        >>> flat_boxes(5, 15, (4, 6))   # rows of 6: [5, 6) + [6, 12) + [12, 15)
-        [((0, 5), (1, 1)), ((1, 0), (1, 6)), ((2, 0), (1, 3))]
-    """
-    if start >= stop:
-        return []
-    if len(shape) == 0:
-        return [((), ())]
-    if len(shape) == 1:
-        return [((start,), (stop - start,))]
-    inner = shape[1:]
-    row = math.prod(inner)
-    first, first_col = divmod(start, row)
-    last, last_col = divmod(stop, row)
-    if first == last:  # inside one row
-        return [((first, *o), (1, *s)) for o, s in flat_boxes(first_col, last_col, inner)]
-    out: list[Box] = []
-    if first_col:  # partial leading row
-        out += [((first, *o), (1, *s)) for o, s in flat_boxes(first_col, row, inner)]
-        first += 1
-    if last > first:  # whole rows
-        out.append(((first, *(0,) * len(inner)), (last - first, *inner)))
-    if last_col:  # partial trailing row
-        out += [((last, *o), (1, *s)) for o, s in flat_boxes(0, last_col, inner)]
-    return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -5,7 +5,8 @@ Note (reading one rank's slice, not the tensor):
     row-major flattening, split into N equal parts). In an N-d tensor that range is not
     a box, but it is a few of them: a partial first row, a block of whole rows, a partial
     last row, each partial row again split the same way one dimension down
-    (:func:`flat_boxes`; at most ``2·ndim - 1`` boxes). safetensors' ``get_slice`` reads
+    (:func:`flat_boxes`; at most ``2·ndim - 1`` boxes, the same boxes zero3's DCP
+    checkpoints describe). safetensors' ``get_slice`` reads
     a box straight from the memory-mapped file, so a rank touches only the pages of its
     own elements: never a whole tensor it does not own, never a whole file. The mapped
     pages count in the process's resident set while a tensor refers to them, so the
@@ -29,6 +30,7 @@ import torch
 
 __all__ = [
     "WEIGHT_FORMATS",
+    "Box",
     "SafetensorsSource",
     "WeightFormat",
     "WeightSource",
@@ -66,31 +68,42 @@ class WeightSource(Protocol):
         ...
 
 
-def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[slice, ...]]:
-    """The boxes (one slice per dimension) whose row-major concatenation is the flat
-    range ``[start, stop)`` of a tensor of ``shape``.
+#: A box of a tensor: (offsets, sizes), one entry per dimension.
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 
-    Example: in a ``(4, 10)`` tensor, ``[7, 33)`` is row 0 columns 7..9, rows 1..2 whole,
-    and row 3 columns 0..2 — three boxes.
+
+def flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[Box]:
+    """The boxes making up the flat elements ``[start, stop)`` of a row-major tensor.
+
+    The boxes come in flat order and each is contiguous in it, so box ``k`` is the
+    next ``prod(sizes_k)`` elements of the range: at most ``2*(ndim-1)+1`` of them.
+
+    Example::
+
+        >>> flat_boxes(5, 15, (4, 6))   # rows of 6: [5, 6) + [6, 12) + [12, 15)
+        [((0, 5), (1, 1)), ((1, 0), (1, 6)), ((2, 0), (1, 3))]
     """
     if start >= stop:
         return []
-    if not shape:
-        return [()]
-    inner = math.prod(shape[1:])
-    first, col0 = divmod(start, inner)
-    last, col1 = divmod(stop, inner)
-    if first == last:  # inside one row: split that row one dimension down
-        return [(slice(first, first + 1), *box) for box in flat_boxes(shape[1:], col0, col1)]
-    boxes: list[tuple[slice, ...]] = []
-    if col0:
-        boxes += [(slice(first, first + 1), *b) for b in flat_boxes(shape[1:], col0, inner)]
+    if len(shape) == 0:
+        return [((), ())]
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = shape[1:]
+    row = math.prod(inner)
+    first, first_col = divmod(start, row)
+    last, last_col = divmod(stop, row)
+    if first == last:  # inside one row
+        return [((first, *o), (1, *s)) for o, s in flat_boxes(first_col, last_col, inner)]
+    out: list[Box] = []
+    if first_col:  # partial leading row
+        out += [((first, *o), (1, *s)) for o, s in flat_boxes(first_col, row, inner)]
         first += 1
-    if last > first:
-        boxes.append((slice(first, last), *(slice(0, d) for d in shape[1:])))
-    if col1:
-        boxes += [(slice(last, last + 1), *b) for b in flat_boxes(shape[1:], 0, col1)]
-    return boxes
+    if last > first:  # whole rows
+        out.append(((first, *(0,) * len(inner)), (last - first, *inner)))
+    if last_col:  # partial trailing row
+        out += [((last, *o), (1, *s)) for o, s in flat_boxes(0, last_col, inner)]
+    return out
 
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -205,7 +218,12 @@ class SafetensorsSource:
                 scalar: torch.Tensor = handle.get_tensor(key)
                 return scalar.reshape(-1)
             view = handle.get_slice(key)
-            pieces = [view[box].reshape(-1) for box in flat_boxes(entry.shape, start, stop)]
+            pieces = [
+                view[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))].reshape(
+                    -1
+                )
+                for offsets, sizes in flat_boxes(start, stop, entry.shape)
+            ]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def close(self) -> None:
@@ -235,6 +253,20 @@ def _is_safetensors(path: Path) -> bool:
     return (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
 
 
+def _is_zero3_checkpoint(path: Path) -> bool:
+    # A finished save has DCP's .metadata; one with only data files is an unfinished
+    # save, which the reader refuses with a message saying so.
+    return path.is_dir() and ((path / ".metadata").is_file() or any(path.glob("*.distcp")))
+
+
+def _open_zero3_checkpoint(path: Path) -> WeightSource:
+    # Imported here: the reader builds on the sharded state dict, which builds on the
+    # model state, which reads weights through this module.
+    from zero3.core._checkpoint_reader import CheckpointReader
+
+    return CheckpointReader(path)
+
+
 #: The layouts :func:`open_weight_source` tries, in order.
 WEIGHT_FORMATS: list[WeightFormat] = [
     WeightFormat(
@@ -244,6 +276,15 @@ WEIGHT_FORMATS: list[WeightFormat] = [
         expects=(
             f"a .safetensors file, or a directory holding {SINGLE_FILE} or {INDEX_FILE} "
             "with its files (what transformers' save_pretrained writes)"
+        ),
+    ),
+    WeightFormat(
+        name="zero3 checkpoint",
+        detect=_is_zero3_checkpoint,
+        open=_open_zero3_checkpoint,
+        expects=(
+            "a directory written by zero3.optim.save_checkpoint (any world size; the "
+            "fp32 masters are read where it has them)"
         ),
     ),
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +21,8 @@ from zero3.core._consistency import (
     whole,
 )
 from zero3.core._coordinator import ParamCoordinator
+from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core._leaves import match_leaf_modules
 from zero3.core._materialize import (
     Checkpoint,
     Materializer,
@@ -29,8 +31,6 @@ from zero3.core._materialize import (
     is_persistent,
     own_storage,
 )
-from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
-from zero3.core._leaves import match_leaf_modules
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
