@@ -146,7 +146,7 @@ def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, An
     config = {
         "train_micro_batch_size_per_gpu": w.batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,  # NOTES: DeepSpeed >= 0.19 clips at 1.0 otherwise
+        "gradient_clipping": 0.0,  # DeepSpeed >= 0.19 clips at 1.0 when the key is absent
         "zero_optimization": {"stage": 3},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -1,4 +1,4 @@
-"""The fixed benchmark workload: NOTES.md's peer-measurement GPT, synthetic tokens."""
+"""The fixed benchmark workload: a small GPT (the same one for every system), synthetic tokens."""
 
 from __future__ import annotations
 

@@ -6,9 +6,7 @@ import contextlib
 import ctypes
 import gc
 import json
-import resource
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ import torch
 from torch import nn
 
 from zero3.comm import CommBackend
-from zero3.core import StepStats, Zero3Config, memory_stats, sharded_state
+from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes, sharded_state
 from zero3.optim import PartitionedOptimizer
 
 METRICS = [
@@ -39,21 +37,6 @@ METRICS = [
     "invalidations",
     "step_time",
 ]
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process: the kernel's high-water mark.
-
-    Read as ``VmHWM`` where /proc has it: ``ru_maxrss`` is the same counter but also
-    keeps the peak of the image before ``exec``, so a rank spawned by a large Python
-    parent would start with the parent's RSS as its peak.
-    """
-    with contextlib.suppress(OSError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def rss_baseline() -> int:

@@ -43,6 +43,7 @@ from zero3.core._memory import (
     ModelStatesEstimate,
     estimate_model_states,
     memory_stats,
+    peak_rss_bytes,
 )
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._pool import BufferPool
@@ -130,6 +131,7 @@ __all__ = [
     "match_leaf_modules",
     "memory_stats",
     "open_weight_source",
+    "peak_rss_bytes",
     "quiet_dcp_warnings",
     "raise_on_every_rank",
     "register_external_parameter",
