@@ -65,7 +65,7 @@ nitpick_ignore_regex = [
     (
         r"py:(class|obj|exc)",
         r"collections\.abc\.(Callable|Iterable|Iterator|Mapping|Sequence)"
-        r"|abc\.ABC|enum\.Enum|os\.PathLike|threading\.Thread|types\.ModuleType"
+        r"|abc\.ABC|enum\.(Int)?Enum|os\.PathLike|threading\.Thread|types\.ModuleType"
         r"|io\.BytesIO|pathlib\.Path|concurrent\.futures\._base\.Future",
     ),
 ]

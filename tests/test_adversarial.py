@@ -156,6 +156,25 @@ def test_modifier_edits_persist_in_bf16_after_a_step(worker_pool):
         assert all(result.values()), result
 
 
+def _load_after_optimizer_bf16() -> dict[str, bool]:
+    comm = GlooBackend(timeout_s=20)
+    model = _mlp()
+    config = Zero3Config(param_persistence_threshold=0, param_dtype="bf16", timeout_s=20)
+    shard_module(model, config, comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.0)  # masters exist already
+    loaded = {k: torch.full_like(v, 0.5) for k, v in full_state_dict(model).items()}
+    load_full_state_dict(model, loaded)
+    model(torch.randn(2, 6).bfloat16()).float().sum().backward()
+    opt.step()  # lr=0: the masters must hold the loaded values
+    after = full_state_dict(model)
+    return {"kept": all(bool((after[k] == 0.5).all()) for k in loaded)}
+
+
+def test_loading_weights_after_the_optimizer_exists_reaches_the_masters(worker_pool):
+    for result in worker_pool(2).run(_load_after_optimizer_bf16):
+        assert all(result.values()), result
+
+
 # -- 4: modules that edit their weights in forward -----------------------------------------
 
 

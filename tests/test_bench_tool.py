@@ -33,9 +33,10 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_bench_runs_and_reports_every_system():
     result = _bench("--systems", "ddp,zero3,zero3:overlap_comm=false")
+    timing, memory = result.stdout.split("#### memory per rank")
     rows = {
         line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-        for line in result.stdout.splitlines()
+        for line in timing.splitlines()
         if line.startswith("| ") and not line.startswith("| system")
     }
     assert set(rows) == {"ddp", "zero3", "zero3:overlap_comm=false"}, result.stdout
@@ -45,6 +46,18 @@ def test_bench_runs_and_reports_every_system():
         cells = rows[name]
         assert "measured" in cells[5] and float(cells[5].split()[0]) > 0, cells
         assert float(cells[6].rstrip("%")) > 99.0, cells  # elements sharded
+    # The memory table: every system's peak RSS growth; zero3 holds about half the
+    # unsharded model state at world 2 (its model is never whole on a rank).
+    mem = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in memory.splitlines()
+        if line.startswith("| ") and not line.startswith("| system")
+    }
+    assert set(mem) == set(rows), memory
+    assert all(float(cells[2]) > 0 for cells in mem.values()), memory
+    held, unsharded = (float(x) for x in mem["zero3"][4].split(" / "))
+    assert 0.45 < held / unsharded < 0.55, memory
+    assert "theory: ZeRO-3 saves 16·Ψ·(N-1)/N" in memory
     gathers = re.findall(r"^(\S+): (\d+) gathers \+ (\d+) reductions", result.stdout, re.M)
     counts = {name: (int(g), int(r)) for name, g, r in gathers}
     assert all(g > 0 and r > 0 for g, r in counts.values()), counts

@@ -197,6 +197,48 @@ def test_parameters_smaller_than_the_world(worker_pool, tmp_path):
         assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6)
 
 
+# -- construct-time loading: shard_module(checkpoint=<zero3 checkpoint>) --------------------
+
+
+def _save_bf16(path: str) -> dict[str, torch.Tensor]:
+    comm, model, opt, make = _setup(dtype=torch.bfloat16)
+    _steps(comm, model, opt, make, 0, 2)
+    save_checkpoint(path, model, opt, extra={"step": 2})
+    return full_state_dict(model)
+
+
+def _build_from_checkpoint(path: str) -> dict[str, Any]:
+    from zero3.hooks import empty_init
+    from zero3.testing.models import ZOO
+
+    comm = GlooBackend(timeout_s=30)
+    with empty_init():
+        model, make = ZOO["gpt_tied"]()
+    on_meta = all(p.is_meta for p in model.parameters())
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm, checkpoint=path)
+    weights = full_state_dict(model)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    _steps(comm, model, opt, make, 2, 1)
+    return {"on_meta": on_meta, "weights": weights, "gathers": stats(model).gathers}
+
+
+def test_shard_module_builds_from_a_zero3_checkpoint_at_another_world_size(worker_pool, tmp_path):
+    """A bf16 run saved at world 2 builds an fp32 model at world 3 that never exists
+    whole: the weights are the checkpoint's fp32 masters (finer than its bf16 weights)."""
+    path = str(tmp_path / "ckpt")
+    saved = worker_pool(2).run(_save_bf16, path, timeout=120)[0]
+    for out in worker_pool(3).run(_build_from_checkpoint, path, timeout=120):
+        assert out["on_meta"]
+        assert out["gathers"] > 0
+        finer = False
+        for key, value in saved.items():
+            loaded = out["weights"][key]
+            assert loaded.dtype == torch.float32, key
+            assert torch.equal(loaded.to(torch.bfloat16), value), key
+            finer |= bool((loaded != value.float()).any())
+        assert finer, "the loaded weights are the bf16 values, not the fp32 masters"
+
+
 # -- interop and layout ---------------------------------------------------------------------
 
 

@@ -101,6 +101,15 @@ CASES = [
     ),
     ("lion.py", PYTHON, []),  # a class optimizers.py imports; running it only defines it
     (
+        "big_models.py",
+        TORCHRUN,
+        [
+            "rank 0: estimate per rank 723,456 bytes of 1,446,912 unsharded",
+            "rank 1: max |sharded - from_pretrained| = 0.0e+00",
+            "rank 0: holds 723,604 of 1,447,080 model-state bytes (0.50x), estimate 723,456",
+        ],
+    ),
+    (
         "plugin_loopback.py",
         PYTHON,
         ["'loopback']", "LoopbackBackend: rank 0 of 1", "all_gather -> [1.0, 2.0, 3.0]"],

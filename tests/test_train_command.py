@@ -178,3 +178,57 @@ def test_default_model_really_shards():
     model = GPT(GPTConfig(CharCorpus().vocab_size))
     sizes = [p.numel() for p in model.parameters()]
     assert sum(n for n in sizes if n > threshold) / sum(sizes) >= 0.95
+
+
+def test_help_gives_every_flag_a_text_and_its_real_default():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from _train.settings import _HelpFormatter, parser
+
+    p = parser()
+    formatter = _HelpFormatter("train.py")
+    for action in p._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        text = formatter._get_help_string(action) % {"default": action.default}
+        assert "default" in text, (action.option_strings, text)
+    assert "(default: None)" not in p.format_help()
+
+
+def _first_loss(out: str) -> str:
+    return next(line.split()[3] for line in out.splitlines() if line.startswith("step 1/"))
+
+
+def test_init_empty_and_from_weights(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import torch
+    from _train.data import CharCorpus
+    from _train.model import GPT, GPTConfig
+    from safetensors.torch import save_model
+
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(CharCorpus().vocab_size, 1, 64, 4, 32))
+    (tmp_path / "weights").mkdir()
+    save_model(model, str(tmp_path / "weights" / "model.safetensors"))
+    common = [sys.executable, str(TRAIN), "--nproc", "2", *TINY, "--samples", "0", "--seed", "5"]
+    runs = {
+        "eager": _run([*common, "--steps", "1"], tmp_path),
+        "from": _run([*common, "--steps", "1", "--from", "weights"], tmp_path),
+        "empty": _run([*common, "--init", "empty"], tmp_path),
+    }
+    for name, result in runs.items():
+        assert result.returncode == 0, (name, result.stdout + result.stderr)
+        assert "zero3 summary: world 2" in result.stdout
+        assert "theory: model state per rank" in result.stdout
+    # The same weights (the file holds seed 5's eager initialisation): the same first loss.
+    assert _first_loss(runs["from"].stdout) == _first_loss(runs["eager"].stdout)
+    # The summary's columns line up: every table row splits at the same offsets.
+    table = [
+        line
+        for line in runs["empty"].stdout.splitlines()
+        if line.startswith(("rank |", "0    |", "1    |"))
+    ]
+    offsets = {tuple(i for i, c in enumerate(line) if c == "|") for line in table}
+    assert len(table) == 3 and len(offsets) == 1, table
+    bad = _run([*common, "--from", "nowhere"], tmp_path, timeout=60)
+    assert bad.returncode == 2 and "--from nowhere: no such file or directory" in bad.stderr

@@ -5,11 +5,14 @@
     .venv/bin/python tools/bench.py --layers 16 --systems ddp,zero3,zero3-release
     .venv/bin/python tools/bench.py --world 4 --steps 2 --systems zero3,zero3-release  # bytes
     .venv/bin/python tools/bench.py --rounds 1 --systems ddp,zero3 --profile  # phases
+    .venv/bin/python tools/bench.py --systems ddp,fsdp2,zero3,zero3-release  # + memory
 
 Every (system, round) runs in fresh processes (so peak RSS is that system's), with one
 thread per rank. Per round, each system's median step time of the slowest rank; the
 ratio against DDP is the median of the per-round ratios. Losses are compared with one
-process training on the same global batch. DeepSpeed runs when importable
+process training on the same global batch; peak RSS per rank is reported against
+DDP and the ZeRO-3 theory (``_bench/memory.py``). zero3 builds its model under
+``empty_init`` (``zero3-eager-build`` builds it whole first). DeepSpeed runs when importable
 (``DS_BUILD_OPS=0 pip install deepspeed``; it runs on CPU with DS_ACCELERATOR=cpu).
 """
 
@@ -28,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench import memory
 from _bench.workload import Workload
 from _train.launch import free_port, rank_env
 
@@ -206,6 +210,7 @@ def main() -> None:
             )
     print()
     print(report(results, base, ref, f"world {world}, {args.layers} layers"))
+    print(memory.report(results, world, memory.model_numel(Workload(layers=args.layers))))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     ./dev train                               # self-launches one rank per core (2 here)
     ./dev train --steps 200 --dtype bf16 --trace trace.json --plot loss.png
+    ./dev train --init empty --layers 12 --d-model 1024  # never whole on any rank
+    ./dev train --from weights/                          # safetensors weights, sliced
     torchrun --standalone --nproc-per-node 2 tools/train.py
     mpiexec -n 2 python tools/train.py        # the mpi backend, no torch.distributed
 
@@ -29,8 +31,15 @@ from _train.model import GPT, GPTConfig, sample
 from _train.settings import Settings, lr_lambda, parser, settings_from
 
 from zero3.comm import CommBackend, ReduceOp, create_backend, launched_by_mpi, launched_by_torch
-from zero3.core import CheckpointError, CheckpointReader, Tracer, gathered_parameters, sharded_state
-from zero3.hooks import shard_module, stats
+from zero3.core import (
+    CheckpointError,
+    CheckpointReader,
+    Tracer,
+    estimate_model_states,
+    gathered_parameters,
+    sharded_state,
+)
+from zero3.hooks import empty_init, shard_module, stats
 from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 
 
@@ -81,6 +90,9 @@ def _preflight(args: object, nproc: int) -> None:
     if args.resume is not None:  # type: ignore[attr-defined]
         CheckpointReader(args.resume)  # type: ignore[attr-defined]  # exists, finished, zero3's
     GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
+    weights = args.from_weights  # type: ignore[attr-defined]
+    if weights is not None and not weights.exists():
+        raise ValueError(f"--from {weights}: no such file or directory")
     if args.backend != "auto":  # "auto" is resolved by each rank on its own device
         backend_class(args.backend)
 
@@ -112,9 +124,9 @@ def train(args: object) -> int:
     rank, world = comm.rank, comm.world_size
     corpus = CharCorpus()
     shape = GPTConfig(corpus.vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
-    torch.manual_seed(settings.seed)
-    model = GPT(shape)
-    shard_module(model, settings.config, comm=comm)
+    comm.barrier().wait()
+    baseline = report.rss_baseline()  # before the model: interpreter, torch, backend
+    model, estimate = _build(args, settings, comm, shape)
     opt = PartitionedOptimizer(model, settings.optimizer, **settings.optimizer_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(settings, args.warmup))  # type: ignore[attr-defined]
     if rank == 0:
@@ -122,10 +134,11 @@ def train(args: object) -> int:
     start = _resume(args, comm, settings, model, opt, scheduler)
     losses, times = _loop(args, comm, settings, corpus, model, opt, scheduler, start)
     tracer, sharded_state(model).tracer = sharded_state(model).tracer, None  # not the samples
-    rows = report.gather_rows(comm, report.rank_metrics(model, opt, stats(model), times))
+    metrics = report.rank_metrics(model, opt, stats(model), times, baseline)
+    rows = report.gather_rows(comm, metrics)
     tokens = settings.batch * settings.accumulation * world * shape.seq_len
     if rank == 0:
-        print(report.format_summary(rows, model, settings.config, tokens))
+        print(report.format_summary(rows, model, settings.config, tokens, estimate))
     _samples(args, comm, corpus, model, shape)
     _outputs(args, comm, tracer, losses, times)
     for future in _SAVES:
@@ -137,6 +150,37 @@ def train(args: object) -> int:
     gc.collect()
     comm.close()
     return 0
+
+
+def _build(
+    args: object, settings: Settings, comm: CommBackend, shape: GPTConfig
+) -> tuple[torch.nn.Module, int]:
+    """The sharded model, built as ``--init`` / ``--from`` say, and the model-state bytes
+    per rank ``estimate_model_states`` predicts for it (asked before it is built)."""
+    torch.manual_seed(settings.seed)
+    weights = args.from_weights  # type: ignore[attr-defined]
+    if weights is None and args.init == "eager":  # type: ignore[attr-defined]
+        model = GPT(shape)
+    else:
+        with empty_init():
+            model = GPT(shape)
+    estimate = estimate_model_states(
+        model, comm.world_size, optimizer=_optimizer_name(settings), config=settings.config
+    )
+    if weights is not None:
+        shard_module(model, settings.config, comm=comm, checkpoint=weights)
+    elif args.init == "empty":  # type: ignore[attr-defined]
+        shard_module(model, settings.config, comm=comm, param_init_fn=GPT.init_weights)
+    else:
+        shard_module(model, settings.config, comm=comm)
+    return model, estimate.per_rank_bytes
+
+
+def _optimizer_name(settings: Settings) -> str:
+    name = settings.optimizer.__name__.lower()
+    if name == "sgd":
+        return "sgd-momentum" if settings.optimizer_kwargs.get("momentum") else "sgd"
+    return name
 
 
 def _print_setup(comm: CommBackend, settings: Settings, model: torch.nn.Module) -> None:

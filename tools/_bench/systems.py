@@ -20,6 +20,7 @@ import torch.distributed as dist
 # destroy_process_group(), and the group's gloo threads can then abort the finished rank
 # at interpreter exit (zero3.comm._teardown explains the abort).
 import torch.distributed.nn
+from _train.report import peak_rss_bytes, rss_baseline
 
 from _bench import phases
 from _bench.workload import Workload, batch, build
@@ -27,26 +28,26 @@ from _bench.workload import Workload, batch, build
 StepFn = Callable[[int], float]
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _adamw(params: Any, w: Workload) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=w.lr)
 
 
-def _loop_step(model: Any, opt: Any, w: Workload, rank: int, world: int) -> StepFn:
+def _loop_step(
+    model: Any,
+    opt: Any,
+    w: Workload,
+    rank: int,
+    world: int,
+    after_backward: Callable[[], None] | None = None,
+) -> StepFn:
     """One plain training step (forward, backward, optimizer step, zero_grad)."""
 
     def step(i: int) -> float:
         x, y = batch(w, i, rank, world)
         loss = model(x, y)
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         opt.step()
         opt.zero_grad()
         return float(loss)
@@ -92,15 +93,27 @@ def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     return _loop_step(model, opt, w, rank, world), _theory(_numel(model), world, 3, sharded=1.0)
 
 
-def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, dict[str, Any]]:
+def _zero3(
+    w: Workload, rank: int, world: int, *, eager_build: bool = False, **config: Any
+) -> tuple[StepFn, dict[str, Any]]:
+    """zero3; the model is built under ``empty_init`` (never whole on a rank) unless
+    ``eager_build``: then every rank builds it whole first, as before construct-time
+    sharding. Both give the same weights (``reset_parameters`` in construction order)."""
     from zero3.core import Zero3Config, sharded_state
-    from zero3.hooks import shard_module, stats
+    from zero3.hooks import empty_init, memory_stats, shard_module, stats
     from zero3.optim import PartitionedOptimizer
 
-    model = build(w)
+    if eager_build:
+        model = build(w)
+    else:
+        with empty_init():
+            model = build(w)
     shard_module(model, Zero3Config(backend="gloo", **config))
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
-    step = _loop_step(model, opt, w, rank, world)
+    held: list[int] = []  # model state after each backward (gradients and optimizer state)
+    step = _loop_step(
+        model, opt, w, rank, world, lambda: held.append(memory_stats(model, opt).held_bytes)
+    )
 
     state = sharded_state(model)
     psi = sum(sp.numel for sp in state.params)
@@ -108,6 +121,7 @@ def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, d
 
     def info() -> dict[str, Any]:
         s = stats(model)
+        mem = memory_stats(model, opt)
         return {
             "sharded": sharded,
             "payload": (s.gather_payload_bytes + s.reduce_payload_bytes) * (world - 1) / world,
@@ -116,6 +130,10 @@ def _zero3(w: Workload, rank: int, world: int, **config: Any) -> tuple[StepFn, d
             "gathers": s.gathers,
             "reductions": s.reduce_collectives,
             "hit_rate": s.prefetch_hit_rate,
+            "held": max(held, default=mem.held_bytes),
+            "unsharded": mem.unsharded_bytes,
+            "peak_gathered": mem.peak_gathered_bytes,
+            "pool": mem.pool_bytes,
         }
 
     return step, {"info": info}
@@ -128,7 +146,7 @@ def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, An
     config = {
         "train_micro_batch_size_per_gpu": w.batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,  # NOTES: DeepSpeed >= 0.19 clips at 1.0 otherwise
+        "gradient_clipping": 0.0,  # DeepSpeed >= 0.19 clips at 1.0 when the key is absent
         "zero_optimization": {"stage": 3},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -156,6 +174,21 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
     "fsdp2": _fsdp2,
     "zero3": _zero3,
     "zero3-release": lambda w, r, n: _zero3(w, r, n, max_reuse_distance=0),
+    # Memory-lean: release on exit, prefetch one layer ahead, at most three layers live,
+    # gradients reduced in quarter-layer chunks (four in flight: one layer of buffers).
+    "zero3-lean": lambda w, r, n: _zero3(
+        w,
+        r,
+        n,
+        max_reuse_distance=0,
+        prefetch_bucket_size=w.layer_numel,
+        max_live_parameters=3 * w.layer_numel,
+        overlap_chunk_size=w.layer_numel // 4,
+    ),
+    "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),
+    "zero3-release-eager-build": lambda w, r, n: _zero3(
+        w, r, n, eager_build=True, max_reuse_distance=0
+    ),
     "deepspeed": _deepspeed,
 }
 
@@ -193,6 +226,9 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
             deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
         else:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    # The memory every system pays before its model exists (interpreter, torch, the
+    # process group): peak RSS growth from here is the system's own.
+    baseline = rss_baseline()
     step_fn, info = lookup(system)(w, rank, world)
     times, losses, cpu, faults = [], [], [], []
     profiler = None
@@ -221,6 +257,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
         "cpu": cpu,
         "faults": faults,
         "rss": peak_rss_bytes(),
+        "baseline": baseline,
         **extra,
     }
     if dist.is_initialized():
@@ -233,6 +270,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     merged["times"] = [max(r["times"][i] for r in rows) for i in range(steps)]  # slowest rank
     merged["losses"] = [sum(r["losses"][i] for r in rows) / world for i in range(steps)]
     merged["rss"] = [r["rss"] for r in rows]
+    merged["baseline"] = [r["baseline"] for r in rows]
     merged["cpu"] = [sum(r["cpu"][i] for r in rows) / world for i in range(steps)]
     merged["faults"] = [sum(r["faults"][i] for r in rows) / world for i in range(steps)]
     return merged

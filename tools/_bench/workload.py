@@ -1,4 +1,4 @@
-"""The fixed benchmark workload: NOTES.md's peer-measurement GPT, synthetic tokens."""
+"""The fixed benchmark workload: a small GPT (the same one for every system), synthetic tokens."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ class Workload:
     batch: int = 4
     lr: float = 1e-3
     seed: int = 0
+
+    @property
+    def layer_numel(self) -> int:
+        """Parameters of one block (four linears with biases, two layer norms)."""
+        return 12 * self.d_model**2 + 13 * self.d_model
 
 
 class Block(nn.Module):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
-import resource
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,12 @@ import torch
 from torch import nn
 
 from zero3.comm import CommBackend
-from zero3.core import StepStats, Zero3Config, sharded_state
+from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes, sharded_state
 from zero3.optim import PartitionedOptimizer
 
 METRICS = [
     "peak_rss",
+    "baseline_rss",
     "held",
     "unsharded",
     "gather_payload",
@@ -37,54 +39,31 @@ METRICS = [
 ]
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def model_state_bytes(model: nn.Module, opt: PartitionedOptimizer) -> tuple[int, int]:
-    """(bytes of model state this rank holds, bytes one unsharded process would hold).
-
-    Held: parameter shards, whole persistent parameters, fp32 masters, optimizer state
-    and gradient shards, counted by distinct storage. Unsharded: the same state for
-    every element (parameters, gradients, masters if the parameters are not fp32, and
-    the optimizer's bytes per element as measured here).
+def rss_baseline() -> int:
+    """Reset the peak RSS to the current RSS and return it: a baseline from which the
+    peak's growth is what comes after (imports may have peaked higher than where the
+    process is now). Linux >= 4.0 (``/proc/self/clear_refs``); elsewhere the peak so far.
     """
-    state = sharded_state(model)
-    held_tensors = [sp.shard for sp in state.params]
-    held_tensors += [sp.param for sp in state.params if sp.persistent]
-    masters = opt.master_shards()
-    opt_state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    grads = state.reducer.grad_buffers()
-    held = _bytes(held_tensors + masters + opt_state + grads)
-    psi = sum(sp.numel for sp in state.params)
-    local = max(1, sum(m.numel() for m in masters))
-    param_el = state.params[0].param.element_size()
-    grad_el = torch.empty(
-        (), dtype=state.config.reduce_dtype or state.params[0].dtype
-    ).element_size()
-    per_element = param_el + grad_el + (4 if param_el != 4 else 0) + _bytes(opt_state) / local
-    return held, int(psi * per_element)
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak_rss_bytes()
 
 
 def rank_metrics(
-    model: nn.Module, opt: PartitionedOptimizer, stats: StepStats, step_times: list[float]
+    model: nn.Module,
+    opt: PartitionedOptimizer,
+    stats: StepStats,
+    step_times: list[float],
+    baseline_rss: int,
 ) -> torch.Tensor:
     """This rank's summary numbers (in ``METRICS`` order)."""
-    held, unsharded = model_state_bytes(model, opt)
+    memory = memory_stats(model, opt)
     state = sharded_state(model)
     values = [
-        peak_rss_bytes(), held, unsharded,
+        memory.peak_rss_bytes, baseline_rss, memory.held_bytes, memory.unsharded_bytes,
         stats.gather_payload_bytes, stats.gather_padding_bytes, stats.gather_fingerprint_bytes,
         stats.reduce_payload_bytes, stats.reduce_padding_bytes, stats.reduce_fingerprint_bytes,
         stats.grad_flag_bytes, stats.refresh_bytes,
@@ -119,13 +98,33 @@ def gather_bytes(comm: CommBackend, payload: bytes) -> list[bytes]:
 
 
 def _mb(x: float) -> str:
-    return f"{x / 2**20:8.2f} MiB"
+    return f"{x / 2**20:.1f} MiB"
+
+
+def aligned(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A text table whose columns line up (first column left, the others right)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return " | ".join([first, *rest])
+
+    return [line(header), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
 def format_summary(
-    rows: list[torch.Tensor], model: nn.Module, config: Zero3Config, tokens_per_step: int
+    rows: list[torch.Tensor],
+    model: nn.Module,
+    config: Zero3Config,
+    tokens_per_step: int,
+    estimate: int,
 ) -> str:
-    """The per-rank summary table plus the bytes-vs-theory lines."""
+    """The per-rank summary table plus the bytes-vs-theory lines.
+
+    ``estimate``: the model-state bytes per rank ``estimate_model_states`` predicted
+    before the model was built.
+    """
     state = sharded_state(model)
     n = len(rows)
     wire = (n - 1) / n
@@ -135,25 +134,47 @@ def format_summary(
     el = state.params[0].param.element_size()
     trainable = sum(sp.numel for sp in state.params if sp.requires_grad)
     red_el = torch.empty((), dtype=config.reduce_dtype or state.params[0].dtype).element_size()
+    header = [
+        "rank", "peak RSS", "growth", "model state held", "estimate", "unsharded",
+        "gathers", "reductions", "small", "prefetch hits", "step time", "tokens/s",
+    ]  # fmt: skip
+    table = []
+    for r, row in enumerate(rows):
+        m = dict(zip(METRICS, row.tolist(), strict=True))
+        table.append(
+            [
+                str(r),
+                _mb(m["peak_rss"]),
+                _mb(m["peak_rss"] - m["baseline_rss"]),
+                f"{_mb(m['held'])} ({m['held'] / max(1, m['unsharded']):.2f}x)",
+                _mb(estimate),
+                _mb(m["unsharded"]),
+                str(int(m["gathers"])),
+                str(int(m["reductions"])),
+                str(int(m["small"])),
+                f"{100 * m['hit_rate']:.1f}%",
+                f"{m['step_time']:.3f} s",
+                f"{tokens_per_step / max(1e-9, m['step_time']):,.0f}",
+            ]
+        )
+    m = dict(zip(METRICS, rows[0].tolist(), strict=True))
+    per_rank = [dict(zip(METRICS, row.tolist(), strict=True)) for row in rows]
+    excess = max(r["peak_rss"] - r["baseline_rss"] - r["held"] for r in per_rank)
     lines = [
         "",
         f"zero3 summary: world {n}, {psi / 1e6:.2f}M parameters, "
         f"{100 * psi_s / psi:.1f}% of elements sharded ({len(sharded)} of "
         f"{len(state.params)} tensors; the rest are persistent, <= "
         f"{config.param_persistence_threshold} elements)",
-        "rank |   peak RSS   | model state held vs unsharded   | collectives/step:    "
-        "| prefetch | step time (tokens/s)",
-        "     |              |                                 | gather reduce small  | hits     |",
+        "per rank: peak RSS, its growth over the RSS before the model was built, model state "
+        "(parameters, gradients, masters, optimizer state) held against the estimate and "
+        "one unsharded process; collectives per step",
+        *aligned(header, table),
+        f"theory: model state per rank = unsharded / N = {_mb(m['unsharded'] / n)} "
+        f"(estimate_model_states: {_mb(estimate)}); RSS growth beyond the model state: up to "
+        f"{_mb(excess)} per rank (activations, gathered parameters, "
+        "communication buffers, allocator)",
     ]
-    for r, row in enumerate(rows):
-        m = dict(zip(METRICS, row.tolist(), strict=True))
-        lines.append(
-            f"{r:4d} | {_mb(m['peak_rss'])} | {_mb(m['held'])} vs {_mb(m['unsharded'])} "
-            f"({m['held'] / max(1, m['unsharded']):.2f}x) | {int(m['gathers']):6d} "
-            f"{int(m['reductions']):6d} {int(m['small']):5d}  | {100 * m['hit_rate']:5.1f}%   "
-            f"| {m['step_time']:.3f} s ({tokens_per_step / max(1e-9, m['step_time']):,.0f})"
-        )
-    m = dict(zip(METRICS, rows[0].tolist(), strict=True))
     whole = config.max_reuse_distance >= psi_s
     why_gather = (
         "max_reuse_distance keeps the model whole into backward"

@@ -31,6 +31,16 @@ class Settings:
     seed: int
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default; a ``None`` default means "not given" (a DeepSpeed
+    config or zero3's own default applies), and the flag's help names the real one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command's flags (``None`` defaults mark "not given", so a DeepSpeed config's
     values apply unless a flag overrides them)."""
@@ -41,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
             "parameter, gradient and optimizer state sharded across the ranks. Launches "
             "its own local ranks, or runs unchanged under torchrun / mpiexec."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     run = p.add_argument_group("launch")
     run.add_argument(
@@ -61,38 +71,78 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DS.JSON",
-        help="a DeepSpeed config: ZeRO keys, batch, optimizer and scheduler",
+        help="a DeepSpeed config: ZeRO keys, batch, optimizer and scheduler (default: none)",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=3)
-    model.add_argument("--d-model", type=int, default=384)
-    model.add_argument("--heads", type=int, default=6)
-    model.add_argument("--seq-len", type=int, default=128)
-    train = p.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=150)
-    train.add_argument(
-        "--batch", type=int, default=None, help="sequences per rank per micro-step [8]"
+    model.add_argument("--layers", type=int, default=3, help="transformer blocks")
+    model.add_argument("--d-model", type=int, default=384, help="width of the residual stream")
+    model.add_argument("--heads", type=int, default=6, help="attention heads per block")
+    model.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    model.add_argument(
+        "--init",
+        choices=["eager", "empty"],
+        default="eager",
+        help="eager: every rank builds the whole model, then shards it; empty: build under "
+        "zero3.hooks.empty_init() and initialise one module at a time straight into the "
+        "shards (the model is never whole on any rank)",
     )
-    train.add_argument("--accumulation", type=int, default=None, help="micro-steps per step [1]")
-    train.add_argument("--lr", type=float, default=None, help="peak learning rate [1e-3]")
+    model.add_argument(
+        "--from",
+        dest="from_weights",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="start from safetensors weights of the same model (a .safetensors file or a "
+        "transformers-layout directory), each rank reading only its shards; implies "
+        "--init empty (default: none, random initialisation)",
+    )
+    train = p.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    train.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per rank per micro-step (default: 8, or the DeepSpeed config's "
+        "train_micro_batch_size_per_gpu)",
+    )
+    train.add_argument(
+        "--accumulation",
+        type=int,
+        default=None,
+        help="micro-steps per step (default: 1, or the DeepSpeed config's "
+        "gradient_accumulation_steps)",
+    )
+    train.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: 1e-3, or the DeepSpeed config's optimizer lr)",
+    )
     train.add_argument(
         "--warmup", type=int, default=10, help="linear warmup steps (cosine decay after)"
     )
     train.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype [fp32]"
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="parameter dtype (default: fp32, or the DeepSpeed config's bf16/fp16 section)",
     )
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--seed", type=int, default=0, help="seed of the initial weights and of the batches"
+    )
     train.add_argument(
         "--max-reuse-distance",
         type=float,
         default=None,
-        help="Zero3Config.max_reuse_distance (0: release every module on exit)",
+        help="Zero3Config.max_reuse_distance, 0 releases every module on exit (default: "
+        f"{Zero3Config.max_reuse_distance:,}, or the DeepSpeed config's)",
     )
     train.add_argument(
         "--param-persistence-threshold",
         type=float,
         default=None,
-        help="Zero3Config.param_persistence_threshold (tensors this small stay whole)",
+        help="Zero3Config.param_persistence_threshold, tensors this small stay whole "
+        f"(default: {Zero3Config.param_persistence_threshold:,}, or the DeepSpeed config's)",
     )
     ckpt = p.add_argument_group("checkpoints (torch.distributed.checkpoint, any number of ranks)")
     ckpt.add_argument(
@@ -121,7 +171,7 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE.json",
-        help="write a Chrome/Perfetto trace (one track per rank) of the last steps",
+        help="write a Chrome/Perfetto trace (one track per rank) of the last steps (default: none)",
     )
     out.add_argument("--trace-steps", type=int, default=2, help="steps to trace")
     out.add_argument(
@@ -129,10 +179,10 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE.png",
-        help="plot loss and step time per step",
+        help="plot loss and step time per step (default: none)",
     )
     out.add_argument("--samples", type=int, default=2, help="text samples printed at the end")
-    out.add_argument("--sample-length", type=int, default=160)
+    out.add_argument("--sample-length", type=int, default=160, help="characters per sample")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

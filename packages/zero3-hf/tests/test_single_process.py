@@ -185,9 +185,17 @@ def test_the_trainers_optimizer_choice_and_groups_are_kept(tmp_path):
 def test_save_only_model_checkpoints_are_loadable_weights(tmp_path):
     trainer = Zero3Trainer(
         model=build_hf("gpt2"),
-        args=_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=2,
-                   save_strategy="steps", save_only_model=True, load_best_model_at_end=True,
-                   metric_for_best_model="eval_loss"),  # fmt: skip
+        args=_args(
+            tmp_path,
+            max_steps=4,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_steps=2,
+            save_strategy="steps",
+            save_only_model=True,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+        ),
         train_dataset=_data(),
         eval_dataset=_data(8),
     )

@@ -33,10 +33,18 @@ from zero3.core._checkpoint_format import (
 from zero3.core._checkpoint_reader import CheckpointReader
 from zero3.core._config import Zero3Config
 from zero3.core._coordinator import ParamCoordinator
+from zero3.core._empty import empty_init
 from zero3.core._full_state_dict import LoadResult, full_state_dict, load_full_state_dict
 from zero3.core._gather import FingerprintMismatchError
 from zero3.core._guard import OpKind
 from zero3.core._leaves import LeafTarget, ModulePath, match_leaf_modules
+from zero3.core._memory import (
+    MemoryStats,
+    ModelStatesEstimate,
+    estimate_model_states,
+    memory_stats,
+    peak_rss_bytes,
+)
 from zero3.core._params import ParamStatus, ShardedParam, local_shard
 from zero3.core._pool import BufferPool
 from zero3.core._reduce_paths import (
@@ -55,6 +63,7 @@ from zero3.core._sharded_state_dict import (
     sharded_like,
     sharded_state_dict,
 )
+from zero3.core._sources import SafetensorsSource, WeightSource, open_weight_source
 from zero3.core._state import (
     ShardedModelState,
     mark_leaf,
@@ -87,6 +96,8 @@ __all__ = [
     "IncompleteCheckpointError",
     "LeafTarget",
     "LoadResult",
+    "MemoryStats",
+    "ModelStatesEstimate",
     "ModulePath",
     "OpKind",
     "ParamCoordinator",
@@ -94,15 +105,19 @@ __all__ = [
     "ReducePath",
     "ReduceScatterPath",
     "Reduction",
+    "SafetensorsSource",
     "ShardedModelState",
     "ShardedParam",
     "StepStats",
     "TraceState",
     "Tracer",
+    "WeightSource",
     "Zero3Config",
     "check_checkpoint_dir",
     "checkpoint_group",
     "clone_state_dict",
+    "empty_init",
+    "estimate_model_states",
     "flat_boxes",
     "full_grad",
     "full_state_dict",
@@ -114,6 +129,9 @@ __all__ = [
     "local_shard",
     "mark_leaf",
     "match_leaf_modules",
+    "memory_stats",
+    "open_weight_source",
+    "peak_rss_bytes",
     "quiet_dcp_warnings",
     "raise_on_every_rank",
     "register_external_parameter",

@@ -157,6 +157,9 @@ class Zero3Config:
             ``shard_module(comm=...)`` keeps its own ``timeout_s``.
         sync_module_states: Broadcast rank 0's parameters and buffers when sharding,
             so ranks that initialized differently still train one model (as DDP does).
+            Meta parameters that ``shard_module`` initialises are broadcast module by
+            module; with this off they are checked instead (ranks that initialised them
+            differently raise an error).
         extras: Read-only mapping of settings zero3 does not act on, kept for the
             training loop: the DeepSpeed keys :meth:`from_deepspeed` leaves to it (batch
             sizes, optimizer, scheduler, offload...) by dotted name (``"optimizer"``,

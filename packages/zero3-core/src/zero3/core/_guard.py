@@ -135,7 +135,7 @@ class CollectiveGuard:
         self.channel = channel
         self.rank = rank
         self._describe_module = describe_module
-        #: The last operation every rank announced identically (None: none yet).
+        #: The last operation every rank announced identically; None before the first.
         self.last_agreed: Op | None = None
         self.exchanges = 0
 

@@ -58,7 +58,8 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 from zero3.core._checkpoint_dist import global_ranks
 from zero3.core._full_state_dict import LoadResult, state_dict_entries
 from zero3.core._params import ParamStatus, ShardedParam, lookup
-from zero3.core._state import sharded_state, state_of
+from zero3.core._sources import Box, flat_boxes
+from zero3.core._state import ShardedModelState, sharded_state, state_of
 
 __all__ = [
     "Box",
@@ -69,43 +70,6 @@ __all__ = [
     "sharded_like",
     "sharded_state_dict",
 ]
-
-#: A box of a tensor: (offsets, sizes), one entry per dimension.
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def flat_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[Box]:
-    """The boxes making up the flat elements ``[start, stop)`` of a row-major tensor.
-
-    The boxes come in flat order and each is contiguous in it, so box ``k`` is the
-    next ``prod(sizes_k)`` elements of the range: at most ``2*(ndim-1)+1`` of them.
-
-    Example::
-
-        >>> flat_boxes(5, 15, (4, 6))   # rows of 6: [5, 6) + [6, 12) + [12, 15)
-        [((0, 5), (1, 1)), ((1, 0), (1, 6)), ((2, 0), (1, 3))]
-    """
-    if start >= stop:
-        return []
-    if len(shape) == 0:
-        return [((), ())]
-    if len(shape) == 1:
-        return [((start,), (stop - start,))]
-    inner = shape[1:]
-    row = math.prod(inner)
-    first, first_col = divmod(start, row)
-    last, last_col = divmod(stop, row)
-    if first == last:  # inside one row
-        return [((first, *o), (1, *s)) for o, s in flat_boxes(first_col, last_col, inner)]
-    out: list[Box] = []
-    if first_col:  # partial leading row
-        out += [((first, *o), (1, *s)) for o, s in flat_boxes(first_col, row, inner)]
-        first += 1
-    if last > first:  # whole rows
-        out.append(((first, *(0,) * len(inner)), (last - first, *inner)))
-    if last_col:  # partial trailing row
-        out += [((last, *o), (1, *s)) for o, s in flat_boxes(0, last_col, inner)]
-    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -318,22 +282,28 @@ def _entry(tensor: torch.Tensor) -> Any:
 
 
 def load_sharded_state_dict(
-    module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
+    *,
+    update_masters: bool = True,
 ) -> LoadResult:
     """Write a state dict from :func:`sharded_state_dict` (filled by DCP) into the model.
 
     Values that DCP loaded in place (views of the shards) need no copy; others are
     copied into this rank's shard. Whole values (persistent parameters, buffers, or
     full tensors) are copied whole and their slice goes to the shard. Not a
-    collective. The fp32 masters of an existing ``PartitionedOptimizer`` are not
-    touched: load its state too, or build it after loading.
+    collective. The fp32 masters of an existing ``PartitionedOptimizer`` follow the
+    loaded values, unless ``update_masters`` is False: for a caller that loads the
+    optimizer's saved masters as well (``zero3.optim.load_checkpoint`` does), whose
+    fp32 values must not be replaced by the rounded parameter values.
 
     Raises:
         ValueError: With ``strict``, missing or unexpected keys; always, a value of
             another shape or another rank's boxes, or a partitioned parameter that is
             gathered right now (inside ``gathered_parameters``: load outside it).
     """
-    sharded_state(module)
+    state = sharded_state(module)
     expected = {key: tensor for key, _, tensor in state_dict_entries(module)}
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -345,11 +315,13 @@ def load_sharded_state_dict(
     with torch.no_grad():
         for key, target in expected.items():
             if key in state_dict:
-                _load_entry(key, target, state_dict[key])
+                _load_entry(state, key, target, state_dict[key], update_masters)
     return LoadResult(missing, unexpected)
 
 
-def _load_entry(key: str, target: torch.Tensor, value: Any) -> None:
+def _load_entry(
+    state: ShardedModelState, key: str, target: torch.Tensor, value: Any, masters: bool
+) -> None:
     sp = lookup(target)
     if sp is None:
         if not isinstance(value, torch.Tensor) or value.shape != target.shape:
@@ -374,11 +346,8 @@ def _load_entry(key: str, target: torch.Tensor, value: Any) -> None:
                 f"load_sharded_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
                 f"dict but {tuple(sp.shape)} in the model"
             )
-        if value.data_ptr() != target.data_ptr():
-            target.copy_(value)
-        if not sp.aliases_param:
-            start, stop = sp.valid_range(sp.rank)
-            sp.shard[: stop - start].copy_(target.detach().reshape(-1)[start:stop])
+        flat = value.detach().reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
+        state.write_full(sp, flat, masters=masters)
         return
     if whole:
         raise ValueError(
@@ -386,6 +355,5 @@ def _load_entry(key: str, target: torch.Tensor, value: Any) -> None:
             "but the state dict holds a sharded value for it"
         )
     local = local_flat(value, sp)
-    shard = sp.shard[: sp.local_numel]
-    if local.numel() and local.data_ptr() != shard.data_ptr():
-        shard.copy_(local)
+    if local.numel():
+        state.write_local(sp, local, masters=masters)  # shard (unless loaded in place), master

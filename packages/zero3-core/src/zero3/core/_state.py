@@ -23,6 +23,14 @@ from zero3.core._consistency import (
 from zero3.core._coordinator import ParamCoordinator
 from zero3.core._guard import CollectiveGuard, Op, OpKind, waiting_for
 from zero3.core._leaves import match_leaf_modules
+from zero3.core._materialize import (
+    Checkpoint,
+    Materializer,
+    ParamInitFn,
+    broadcast_from_rank0,
+    is_persistent,
+    own_storage,
+)
 from zero3.core._params import ParamStatus, ShardedParam
 from zero3.core._pool import BufferPool
 from zero3.core._reducer import GradReducer
@@ -45,7 +53,6 @@ _LEAF_MARKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _PENDING_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = (
     weakref.WeakKeyDictionary()
 )
-_SYNC_CHUNK = 1 << 26  # elements per broadcast when syncing rank 0's weights
 
 
 def mark_leaf(module: nn.Module) -> None:
@@ -76,7 +83,15 @@ class ShardedModelState:
         stats: Step counters.
     """
 
-    def __init__(self, module: nn.Module, config: Zero3Config, comm: CommBackend) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Zero3Config,
+        comm: CommBackend,
+        *,
+        param_init_fn: ParamInitFn | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
         self.module = module
         self.config = config
         self.comm = comm
@@ -88,7 +103,7 @@ class ShardedModelState:
         names = [name or "<root>" for name, _ in self.modules]
         self.guard = CollectiveGuard(self.control, comm.rank, names.__getitem__)
         check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
-        self.params: list[ShardedParam] = self._partition()
+        self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
         # The largest buffers a step needs at once: a whole-model gather (its receive
@@ -117,8 +132,23 @@ class ShardedModelState:
     # -- creation ---------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, module: nn.Module, config: Zero3Config, comm: CommBackend) -> ShardedModelState:
-        """Partition ``module``'s parameters across ``comm``'s ranks."""
+    def create(
+        cls,
+        module: nn.Module,
+        config: Zero3Config,
+        comm: CommBackend,
+        *,
+        param_init_fn: ParamInitFn | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> ShardedModelState:
+        """Partition ``module``'s parameters across ``comm``'s ranks.
+
+        Parameters on the meta device are built straight into this rank's shards, one
+        module at a time: read from ``checkpoint`` (a path or a
+        :class:`~zero3.core.WeightSource`; then every parameter is loaded from it), or
+        initialised by ``param_init_fn(module)`` / the modules' ``reset_parameters()``.
+        See ``zero3.hooks.shard_module`` for the rules.
+        """
         if module in _STATES:
             raise ValueError(
                 f"{type(module).__name__} is already sharded; call zero3.hooks.unshard_module "
@@ -130,23 +160,43 @@ class ShardedModelState:
                     f"parameter {name!r} of {type(module).__name__} already belongs to a "
                     "sharded model; a parameter can be sharded once (unshard the other model)"
                 )
-        state = cls(module, config, comm)
+        state = cls(module, config, comm, param_init_fn=param_init_fn, checkpoint=checkpoint)
         _STATES[module] = state
         return state
 
-    def _partition(self) -> list[ShardedParam]:
-        """Cast, synchronise and shard every parameter (``named_parameters()`` order)."""
+    def _partition(
+        self, param_init_fn: ParamInitFn | None, checkpoint: Checkpoint | None
+    ) -> list[ShardedParam]:
+        """Cast, synchronise and shard every parameter (``named_parameters()`` order).
+
+        Meta parameters are materialised straight into their shards (see
+        :class:`~zero3.core._materialize.Materializer`); the others are cut here.
+        """
         named = list(self.module.named_parameters())
+        builder = Materializer(
+            self.module,
+            named,
+            self.config,
+            self.comm,
+            param_init_fn=param_init_fn,
+            checkpoint=checkpoint,
+        )
+        builder.prepare()  # every check, agreed by every rank, before anything changes
+        eager = [p for i, (_, p) in enumerate(named) if i not in builder.handled]
         with torch.no_grad():
-            for _, param in named:
+            for param in eager:
                 if self.config.param_dtype is not None and param.dtype != self.config.param_dtype:
                     param.data = param.data.to(self.config.param_dtype)
-                _own_storage(param)
+                own_storage(param)
                 param.grad = None
             if self.config.sync_module_states and self.comm.world_size > 1:
-                tensors = [p.data for _, p in named] + [b for b in self.module.buffers()]
-                _broadcast_from_rank0(self.comm, tensors)
-            return [self._shard(index, name, param) for index, (name, param) in enumerate(named)]
+                tensors = [p.data for p in eager] + builder.eager_buffers()
+                broadcast_from_rank0(self.comm, tensors)
+            shards = builder.run()
+            return [
+                self._shard(index, name, param, shards.get(index))
+                for index, (name, param) in enumerate(named)
+            ]
 
     def _direct_params(self) -> list[list[ShardedParam]]:
         """For each module, the sharded parameters it owns directly (records owners)."""
@@ -159,17 +209,24 @@ class ShardedModelState:
             direct.append(own)
         return direct
 
-    def _shard(self, index: int, name: str, param: nn.Parameter) -> ShardedParam:
+    def _shard(
+        self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
+    ) -> ShardedParam:
+        """Record one parameter's partition. ``shard``: this rank's shard, already cut
+        (the materializer's; the parameter then holds no bytes).
+        """
         world, rank = self.comm.world_size, self.comm.rank
         numel = param.numel()
         shard_numel = -(-numel // world)
-        flat = param.detach().reshape(-1)
-        if world == 1:
+        if shard is not None:
+            pass  # cut by the materializer
+        elif world == 1:
             # Note: a world of one has nothing to shard. The "shard" is the parameter's
             # own data and the parameter stays whole (persistent): no gathers, and the
             # optimizer steps the parameter in place, so a single process pays nothing.
-            shard = flat
+            shard = param.detach().reshape(-1)
         else:
+            flat = param.detach().reshape(-1)
             start = min(rank * shard_numel, numel)
             stop = min(start + shard_numel, numel)
             shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
@@ -182,7 +239,7 @@ class ShardedModelState:
             numel=numel,
             shard_numel=shard_numel,
             shard=shard,
-            persistent=world == 1 or numel <= self.config.param_persistence_threshold,
+            persistent=is_persistent(numel, world, self.config),
             rank=rank,
             world_size=world,
             aliases_param=world == 1,
@@ -428,7 +485,7 @@ class ShardedModelState:
                 merge_edits(self, edited, flagged)
             buffers = persistent_buffers(self.module)
             if buffers:
-                _broadcast_from_rank0(self.comm, buffers)
+                broadcast_from_rank0(self.comm, buffers)
         self.coordinator.edits.clear()
         for sp in flagged:
             sp.version = sp.param._version
@@ -464,21 +521,21 @@ class ShardedModelState:
 
     # -- writing parameter values ---------------------------------------------------------
 
-    def write_local(self, sp: ShardedParam, values: torch.Tensor) -> None:
-        """Set this rank's real elements of ``sp`` (its shard, and its fp32 master if an
-        optimizer keeps one apart). The whole parameter, if gathered, is not touched.
+    def write_local(self, sp: ShardedParam, values: torch.Tensor, *, masters: bool = True) -> None:
+        """Set this rank's real elements of ``sp``: its shard, and (``masters``) its fp32
+        master if an optimizer keeps one apart. The whole parameter is not touched.
         """
         with torch.no_grad():
             sp.shard[: values.numel()].copy_(values)
-            if sp.master is not None:
+            if masters and sp.master is not None:
                 sp.master.copy_(values)
 
-    def write_full(self, sp: ShardedParam, flat: torch.Tensor) -> None:
+    def write_full(self, sp: ShardedParam, flat: torch.Tensor, *, masters: bool = True) -> None:
         """Set ``sp`` from its full values (``numel`` elements, flat): this rank's shard
-        and master, and the parameter itself where it is whole here.
+        and (``masters``) master, and the parameter itself where it is whole here.
         """
         start, stop = sp.valid_range(sp.rank)
-        self.write_local(sp, flat[start:stop])
+        self.write_local(sp, flat[start:stop], masters=masters)
         if sp.status is ParamStatus.AVAILABLE and not sp.aliases_param:
             _params.write_full(sp.param, flat)
         # The whole data (if any) equals the shards again: no edit pending.
@@ -630,39 +687,6 @@ def _duplicate(comm: CommBackend) -> CommBackend:
             type(comm).__name__,
         )
         return comm
-
-
-def _own_storage(param: nn.Parameter) -> None:
-    """Give ``param`` a contiguous storage of its own (needed to free it in place)."""
-    exact = param.numel() * param.element_size()
-    if (
-        not param.is_contiguous()
-        or param.storage_offset() != 0
-        or param.untyped_storage().nbytes() != exact
-    ):
-        param.data = param.data.clone(memory_format=torch.contiguous_format)
-
-
-def _broadcast_from_rank0(comm: CommBackend, tensors: Iterable[torch.Tensor]) -> None:
-    """Make every rank hold rank 0's values (coalesced per dtype)."""
-    by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_key.setdefault((t.dtype, t.device), []).append(t)
-    for group in by_key.values():
-        batches: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for t in group:
-            if batches[-1] and size + t.numel() > _SYNC_CHUNK:
-                batches.append([])
-                size = 0
-            batches[-1].append(t)
-            size += t.numel()
-        for batch in batches:
-            flat = torch.cat([b.reshape(-1) for b in batch])
-            comm.broadcast(flat, src=0).wait()
-            for b, part in zip(batch, flat.split([b.numel() for b in batch]), strict=True):
-                b.copy_(part.view_as(b))
 
 
 def try_sharded_state(module: nn.Module) -> ShardedModelState | None:

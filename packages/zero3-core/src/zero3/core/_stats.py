@@ -131,8 +131,15 @@ class StatsBook:
         self.current = StepStats(world_size=world_size)
         self.last = StepStats(world_size=world_size)
         self.total_invalidations = 0
+        self._peak_live_numel = 0
+
+    @property
+    def peak_live_numel(self) -> int:
+        """Most gathered non-persistent parameter elements at once since sharding."""
+        return max(self._peak_live_numel, self.current.live_numel_high_water)
 
     def rotate(self) -> None:
         """Start counting a new step."""
+        self._peak_live_numel = self.peak_live_numel
         self.last = self.current
         self.current = StepStats(world_size=self.world_size)

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
 from zero3.core import Zero3Config
 from zero3.hf._config import Zero3ConfigLike, resolve_config
+from zero3.hooks import empty_init, shard_module
 
 __all__ = ["sharded_from_pretrained"]
 
@@ -49,8 +50,6 @@ def sharded_from_pretrained(
     Returns:
         The sharded model.
     """
-    from zero3.hooks import empty_init, shard_module  # TEMP until issue 14 is on main
-
     cls = AutoModelForCausalLM if model_class is None else model_class
     config = AutoConfig.from_pretrained(path)
     if args is not None:

@@ -10,9 +10,10 @@ Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inferenc
         logits = model(tokens)
 """
 
-from zero3.core import LoadResult, full_state_dict, load_full_state_dict
+from zero3.core import LoadResult, empty_init, full_state_dict, load_full_state_dict
 from zero3.hooks._shard import (
     ShardedModule,
+    memory_stats,
     set_leaf_modules,
     shard_module,
     stats,
@@ -22,8 +23,10 @@ from zero3.hooks._shard import (
 __all__ = [
     "LoadResult",
     "ShardedModule",
+    "empty_init",
     "full_state_dict",
     "load_full_state_dict",
+    "memory_stats",
     "set_leaf_modules",
     "shard_module",
     "stats",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,19 +13,23 @@ from torch import nn
 from zero3.comm import CommBackend, create_backend
 from zero3.core import (
     LeafTarget,
+    MemoryStats,
     ShardedModelState,
     StepStats,
+    WeightSource,
     Zero3Config,
     mark_leaf,
     match_leaf_modules,
     sharded_state,
     try_sharded_state,
 )
+from zero3.core import memory_stats as _core_memory_stats
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
 __all__ = [
     "ShardedModule",
+    "memory_stats",
     "set_leaf_modules",
     "shard_module",
     "stats",
@@ -143,7 +149,7 @@ def _sharded_class(cls: type) -> type:
 
 def _check_devices(module: nn.Module, comm: CommBackend) -> None:
     for name, param in module.named_parameters():
-        if param.device.type != comm.device_type:
+        if param.device.type not in (comm.device_type, "meta"):
             raise ValueError(
                 f"parameter {name!r} is on {param.device} but the {comm.name!r} comm backend "
                 f"moves {comm.device_type} tensors; move the model (model.to(...)) or pick a "
@@ -152,7 +158,12 @@ def _check_devices(module: nn.Module, comm: CommBackend) -> None:
 
 
 def shard_module(
-    module: nn.Module, config: Zero3Config | None = None, *, comm: CommBackend | None = None
+    module: nn.Module,
+    config: Zero3Config | None = None,
+    *,
+    comm: CommBackend | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    checkpoint: str | os.PathLike[str] | WeightSource | None = None,
 ) -> nn.Module:
     """Partition ``module``'s parameters across ranks and install zero3's hooks.
 
@@ -162,15 +173,41 @@ def shard_module(
     backward is detected automatically. Every rank must call this, on identically
     built models.
 
+    A model built under :func:`empty_init` (or ``torch.device("meta")``) is never whole
+    on any rank: its parameters are materialized one module at a time straight into this
+    rank's shard.
+
+    - With ``checkpoint``, every parameter (and persistent buffer) is read from it,
+      each rank reading only the elements of its own shard. Keys are the unsharded
+      model's ``state_dict()`` keys (tied weights need one of their names); missing,
+      unexpected and mis-shaped keys are reported together in one error, on every rank,
+      before anything is changed. Tensors are cast to the parameter's dtype.
+    - Without it, each module's meta parameters are initialised by
+      ``param_init_fn(module)`` if given, else by the module's ``reset_parameters()``
+      (or ``_reset_parameters()``), children before parents as in eager construction.
+      For transformers models pass ``param_init_fn=model._init_weights``. With
+      ``config.sync_module_states`` (the default) rank 0's values are broadcast as each
+      module is built; with it off, ranks that initialised differently raise an error
+      naming the parameters. A meta parameter that nothing initialises is an error.
+
+    A buffer still on the meta device (nothing provides it) is an error naming it.
+    Parameters not on meta, without ``checkpoint``, are sharded from their values.
+
     Args:
-        module: The model (all parameters on the device the backend serves).
+        module: The model (parameters on the device the backend serves, or on meta).
         config: Engine settings; default ``Zero3Config()``.
         comm: A ready backend; default ``zero3.comm.create_backend(config.backend,
             timeout_s=config.timeout_s)``.
+        param_init_fn: Initialises one module's own parameters in place (called for
+            every module that has meta parameters, or writes some).
+        checkpoint: A safetensors file, or a directory holding ``model.safetensors`` or
+            ``model.safetensors.index.json`` and its files (the transformers layout), or
+            an open :class:`~zero3.core.WeightSource`.
 
     Raises:
-        ValueError: The module (or one of its parameters) is already sharded, or its
-            parameters are on a device the backend does not serve.
+        ValueError: The module (or one of its parameters) is already sharded, its
+            parameters are on a device the backend does not serve, or the checkpoint /
+            initialisation does not cover the model (the message lists every problem).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard_module expects an nn.Module, got {type(module).__name__}")
@@ -179,15 +216,19 @@ def shard_module(
             f"{type(module).__name__} is already sharded; shard a module once "
             "(zero3.hooks.unshard_module undoes it)"
         )
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            "shard_module: param_init_fn must be a callable taking a module, got "
+            f"{type(param_init_fn).__name__}"
+        )
     config = config or Zero3Config()
     if comm is None:
         comm = create_backend(config.backend, timeout_s=config.timeout_s)
     _check_devices(module, comm)
-    state = ShardedModelState.create(module, config, comm)
-    hooks = install_hooks(state)
-    for handle in install_state_dict_guards(state):
-        hooks.add_handle(handle)
-    _HOOKS[module] = hooks
+    state = ShardedModelState.create(
+        module, config, comm, param_init_fn=param_init_fn, checkpoint=checkpoint
+    )
+    _HOOKS[module] = _install(state)
     module.__class__ = _sharded_class(type(module))
     return module
 
@@ -211,6 +252,19 @@ def unshard_module(module: nn.Module) -> nn.Module:
 def stats(module: nn.Module) -> StepStats:
     """The coordinator's counters for the last step of a sharded module."""
     return sharded_state(module).last_stats()
+
+
+def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
+    """Model-state bytes this rank holds against one unsharded process, and the peaks.
+
+    The sibling of :func:`stats` for memory: parameter shards, gradient shards, fp32
+    masters and optimizer state (pass the optimizer to count the last two), against what
+    one process would hold; the full parameters gathered now and at most since
+    sharding; the cached buffers; and the process's peak resident set. See
+    :class:`zero3.core.MemoryStats`; :func:`zero3.core.estimate_model_states` answers
+    before the model is built.
+    """
+    return _core_memory_stats(module, optimizer)
 
 
 def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
@@ -243,13 +297,17 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
             state.set_leaf(sub, True)
     marked = [name or "<root>" for name, _ in matched]
     if state is not None:
-        hooks = _HOOKS[module]
-        hooks.remove()
-        fresh = install_hooks(state)
-        for handle in install_state_dict_guards(state):
-            fresh.add_handle(handle)
-        _HOOKS[module] = fresh
+        _HOOKS[module].remove()
+        _HOOKS[module] = _install(state)
     return marked
+
+
+def _install(state: ShardedModelState) -> ModelHooks:
+    """Module hooks and state-dict guards for ``state``, removable together."""
+    hooks = install_hooks(state)
+    for handle in install_state_dict_guards(state):
+        hooks.add_handle(handle)
+    return hooks
 
 
 def _hooks_of(module: nn.Module) -> ModelHooks:

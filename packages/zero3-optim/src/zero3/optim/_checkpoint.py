@@ -130,9 +130,12 @@ def save_checkpoint(
         TypeError: ``extra`` holds something other than tensors and plain values.
         ValueError: A value of ``extra`` differs between ranks under the same key.
     """
-    sharded_state(module)  # a clear error for a module that is not sharded
+    state = sharded_state(module)  # a clear error for a module that is not sharded
     _check_optimizer(module, optimizer)
     wait_for_pending_saves()
+    # Pending in-place edits and rank 0's buffers first: whole tensors are saved once,
+    # from whichever rank DCP picks, so they must be equal everywhere.
+    state.synchronize()
     target = _target(path)
     group = checkpoint_group(module)
     rank = dist.get_rank(group) if group is not None else 0
@@ -232,7 +235,8 @@ def load_checkpoint(
             process_group=group,
             no_dist=group is None,
         )
-    load_model_state(module, template[_L.model])
+    # With an optimizer, its saved fp32 masters (loaded next) win over the rounded values.
+    load_model_state(module, template[_L.model], update_masters=optimizer is None)
     if optimizer is not None:
         optimizer.load_sharded_state_dict(template[_L.optim])
     extra = template[_L.extra]

@@ -1,0 +1,62 @@
+"""estimate_model_states: the arithmetic of ZeRO-3 model states, before building."""
+
+import pytest
+import torch
+from torch import nn
+
+from zero3.core import Zero3Config, estimate_model_states
+
+SHARD_ALL = Zero3Config(param_persistence_threshold=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_fp32_adamw_is_sixteen_bytes_per_element_over_n(world):
+    psi = 8 * 1024 * 1024
+    est = estimate_model_states(psi, world, config=SHARD_ALL)
+    assert est.unsharded_bytes == 16 * psi
+    assert est.per_rank_bytes == 16 * psi // world
+    assert (est.param_bytes, est.grad_bytes, est.master_bytes, est.optimizer_bytes) == (
+        4 * psi // world,
+        4 * psi // world,
+        0,
+        8 * psi // world,
+    )
+
+
+def test_bf16_parameters_get_fp32_masters():
+    psi = 1 << 20
+    est = estimate_model_states(psi, 4, param_dtype=torch.bfloat16, config=SHARD_ALL)
+    # 2 (bf16 parameter) + 2 (bf16 gradient) + 4 (fp32 master) + 8 (two fp32 moments)
+    assert est.per_rank_bytes == 16 * psi // 4
+    assert est.master_bytes == 4 * psi // 4
+    est = estimate_model_states(
+        psi, 4, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, config=SHARD_ALL
+    )
+    assert est.grad_bytes == 4 * psi // 4
+
+
+def test_a_model_on_meta_counts_padding_persistence_and_frozen_parameters():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(10, 30), nn.LayerNorm(30), nn.Linear(30, 7))
+    model[0].requires_grad_(False)
+    config = Zero3Config(param_persistence_threshold=30)
+    est = estimate_model_states(model, 4, optimizer="sgd", config=config)
+    sizes = [300, 30, 30, 30, 210, 7]  # weight/bias of each layer
+    shards = [-(-n // 4) for n in sizes]
+    whole = [n if n <= 30 else 0 for n in sizes]
+    assert est.numel == sum(sizes)
+    assert est.param_bytes == 4 * (sum(shards) + sum(whole))
+    assert est.grad_bytes == 4 * sum(shards[2:])  # layer 0 is frozen (no weight/bias grads)
+    assert est.optimizer_bytes == 0
+    assert est.largest_module_bytes == 4 * (300 + 30)
+
+
+def test_optimizer_by_name_or_count_and_bad_input():
+    assert estimate_model_states(1000, 2, optimizer=3, config=SHARD_ALL).optimizer_bytes == 6000
+    assert estimate_model_states(1000, 2, optimizer="SGD", config=SHARD_ALL).optimizer_bytes == 0
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        estimate_model_states(1000, 2, optimizer="rmsprop")
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        estimate_model_states(1000, 0)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        estimate_model_states("model", 2)  # type: ignore[arg-type]

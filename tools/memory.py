@@ -1,0 +1,377 @@
+"""Memory of models bigger than one rank, measured: peak RSS per rank against bounds.
+
+    .venv/bin/python tools/memory.py build               # world 2: build + one forward
+    .venv/bin/python tools/memory.py load --worlds 2,4   # a >= 1.5 GB fp32 checkpoint
+    .venv/bin/python tools/memory.py table               # training, world 1/2/4 vs theory
+    .venv/bin/python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
+
+Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
+``VmHWM``: ``ru_maxrss`` without the peak of the parent image before ``exec``) over a baseline
+taken in the same process after the imports and the process group (the interpreter,
+torch and gloo cost the same with or without a model); at the baseline the peak is reset
+to the current RSS (``/proc/self/clear_refs``), so an earlier transient peak of the
+imports cannot hide growth. ``W`` is the model's fp32 weight bytes, ``L`` its largest
+tensor, ``N`` the world size. The bounds checked:
+
+- building under ``empty_init`` (and loading a checkpoint): ``1.1·(W/N + 2·L) + 32 MiB``;
+- then one forward (no grad, one sequence) with ``max_reuse_distance=0``, a one-layer
+  ``prefetch_bucket_size`` and ``max_live_parameters`` of three layers:
+  ``1.1·(W/N + 4·L) + 32 MiB``.
+
+The eager path (every rank builds the model whole, loads the weights, then shards it) is
+run beside each for comparison; it is skipped when the machine's available memory could
+not hold it. The script exits with status 1 when a bound is missed or the cap
+demonstration does not come out as claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench.workload import Workload
+from _train.launch import free_port, rank_env
+from _train.report import peak_rss_bytes, rss_baseline
+
+MiB = 2**20
+RESULT = "MEMORY_RESULT "
+#: The benchmark GPT (tools/bench.py) and a 1.75 GB fp32 one of the same shape.
+SMALL = Workload()
+BIG = Workload(layers=8, d_model=2048, heads=16)
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+
+
+def _meminfo(field: str) -> int:
+    with open("/proc/self/status" if field.startswith("Vm") else "/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _bounds_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build (and load), then one forward; every growth from one baseline."""
+    import torch
+    from _bench.workload import batch, build
+
+    from zero3.comm import GlooBackend
+    from zero3.core import Zero3Config
+    from zero3.hooks import empty_init, memory_stats, shard_module
+
+    torch.set_num_threads(1)
+    w = Workload(**spec["workload"])
+    comm = GlooBackend(timeout_s=900)
+    layer = w.layer_numel
+    config = Zero3Config(
+        backend="gloo",
+        max_reuse_distance=0,
+        prefetch_bucket_size=layer,
+        max_live_parameters=3 * layer,
+    )
+    x, y = batch(Workload(**{**spec["workload"], "batch": 1}), 0, comm.rank, comm.world_size)
+    comm.barrier().wait()
+    baseline = rss_baseline()
+    if spec["eager"]:
+        model = build(w)
+        if spec["checkpoint"]:
+            _load_eagerly(model, spec["checkpoint"])
+        shard_module(model, config, comm=comm)
+    else:
+        torch.manual_seed(w.seed)
+        with empty_init():
+            model = build(w)
+        shard_module(model, config, comm=comm, checkpoint=spec["checkpoint"] or None)
+    built = peak_rss_bytes() - baseline
+    with torch.no_grad():
+        model(x, y)
+    forward = peak_rss_bytes() - baseline
+    held = memory_stats(model).param_bytes
+    return {"rank": comm.rank, "baseline": baseline, "built": built, "forward": forward,
+            "held": held}  # fmt: skip
+
+
+def _load_eagerly(model: Any, path: str) -> None:
+    """The eager path's load: each file's tensors into the whole model, file by file."""
+    import torch
+    from safetensors.torch import load_file
+
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(set(index["weight_map"].values())):
+            for key, value in load_file(str(Path(path) / name)).items():
+                params[key].copy_(value)
+
+
+def _cap_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train a few steps under an RLIMIT_DATA cap; report success or the error."""
+    import resource
+
+    import torch
+    from _bench.systems import SYSTEMS
+    from _bench.workload import Workload as W
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    rss_baseline()
+    cap = _meminfo("VmData") + spec["allowance"]
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+    w = W(**spec["workload"])
+    try:
+        step, _ = SYSTEMS[spec["system"]](w, rank, dist.get_world_size())
+        losses = [step(i) for i in range(spec["steps"])]
+        outcome = {"ok": True, "losses": losses}
+    except (RuntimeError, MemoryError) as exc:
+        outcome = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    data = _meminfo("VmData") - cap + spec["allowance"]  # growth of the data segment
+    return {"rank": rank, "cap": cap, "data": data, "peak": peak_rss_bytes(), **outcome}
+
+
+def worker_main(kind: str, spec: dict[str, Any]) -> None:
+    """One rank: run, print the result line, leave without interpreter teardown."""
+    try:
+        result = _cap_worker(spec) if kind == "cap" else _bounds_worker(spec)
+    except Exception as exc:  # reported, not raised: the parent prints it
+        result = {"rank": int(os.environ.get("RANK", "0")), "crash": f"{type(exc).__name__}: {exc}"}
+    print(RESULT + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # see tools/_train/launch.py, leave_rank's Note (gloo teardown)
+
+
+def launch(kind: str, world: int, spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Run ``world`` fresh ranks of ``kind``; every rank's result."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = rank_env(rank, world, port, 1)
+        cmd = [sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    results = []
+    for rank, p in enumerate(procs):
+        out, _ = p.communicate(timeout=timeout)
+        lines = [x for x in out.splitlines() if x.startswith(RESULT)]
+        results.append(json.loads(lines[-1][len(RESULT) :]) if lines else {"rank": rank,
+                       "crash": f"exit {p.returncode}, no result"})  # fmt: skip
+    return results
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def write_checkpoint(w: Workload, path: Path, files: int = 4) -> None:
+    """Random fp32 weights of the model in the transformers layout (``files`` files and an
+    index), written one file at a time: the writer never holds the whole model."""
+    import torch
+    from _bench.workload import build
+    from safetensors.torch import save_file
+
+    if (path / "model.safetensors.index.json").is_file():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in build(w).state_dict().items()}
+    total = sum(s.numel() * 4 for s in shapes.values())
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, shape in shapes.items():
+        if size >= total / files and len(groups) < files:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += shape.numel() * 4
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i, keys in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: torch.randn(shapes[k], generator=g) * 0.02 for k in keys}, str(path / name))
+        weight_map.update(dict.fromkeys(keys, name))
+        gc.collect()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
+# -- the reports -------------------------------------------------------------------------------
+
+
+def _sizes(w: Workload) -> tuple[int, int]:
+    """(W, L): fp32 weight bytes and the largest tensor's bytes."""
+    import torch
+    from _bench.workload import build
+
+    with torch.device("meta"):
+        params = list(build(w).parameters())
+    return sum(p.numel() * 4 for p in params), max(p.numel() * 4 for p in params)
+
+
+def _available() -> int:
+    return _meminfo("MemAvailable")
+
+
+def bounds(w: Workload, worlds: list[int], checkpoint: str, timeout: float) -> bool:
+    """Build (+ load) and forward at each world size against the bounds; eager beside."""
+    weights, largest = _sizes(w)
+    source = f"from checkpoint {checkpoint}" if checkpoint else "initialised by reset_parameters"
+    print(f"model: GPT {w.layers} layers, d_model {w.d_model}, vocab {w.vocab}: "
+          f"W = {weights / MiB:.0f} MiB fp32, largest tensor L = {largest / MiB:.0f} MiB; "
+          f"{source}")  # fmt: skip
+    print()
+    print("| N | path | built: growth / bound (MiB) | + forward: growth / bound (MiB) "
+          "| parameter shards held (MiB) | baseline (MiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    ok = True
+    spec = {"workload": vars(w), "checkpoint": checkpoint}
+    for n in worlds:
+        build_bound = 1.1 * (weights / n + 2 * largest) + 32 * MiB
+        forward_bound = 1.1 * (weights / n + 4 * largest) + 32 * MiB
+        for eager in (False, True):
+            label = "eager (whole model on every rank)" if eager else "empty_init + shard_module"
+            need = n * (1.3 * (weights + weights / n) + 600 * MiB)
+            if eager and need > _available() - 2 * 2**30:
+                print(f"| {n} | {label} | skipped: needs ~{need / 2**30:.1f} GiB, "
+                      f"{_available() / 2**30:.1f} GiB available | | | |")  # fmt: skip
+                continue
+            rows = launch("bounds", n, {**spec, "eager": eager}, timeout)
+            crashed = [r for r in rows if "crash" in r]
+            if crashed:
+                print(f"| {n} | {label} | FAILED: {crashed[0]['crash']} | | | |")
+                ok = False
+                continue
+            built = max(r["built"] for r in rows)
+            forward = max(r["forward"] for r in rows)
+            marks = ""
+            if not eager:
+                fits = built <= build_bound and forward <= forward_bound
+                ok &= fits
+                marks = "" if fits else " **over**"
+            print(f"| {n} | {label} | {built / MiB:.0f} / {build_bound / MiB:.0f} "
+                  f"| {forward / MiB:.0f} / {forward_bound / MiB:.0f}{marks} "
+                  f"| {max(r['held'] for r in rows) / MiB:.0f} "
+                  f"| {max(r['baseline'] for r in rows) / MiB:.0f} |")  # fmt: skip
+    return ok
+
+
+def table(worlds: list[int], systems: list[str], steps: int, timeout: float) -> bool:
+    """The benchmark GPT trained at each world size: per-rank peak RSS growth, model
+    state held (measured) and estimated, against 16·Ψ/N; DDP beside it."""
+    import bench
+    import torch
+    from _bench.workload import build
+
+    from zero3.core import Zero3Config, estimate_model_states
+
+    w = SMALL
+    with torch.device("meta"):
+        meta = build(w)
+    psi = sum(p.numel() for p in meta.parameters())
+    print(f"benchmark GPT: Psi = {psi / 1e6:.1f}M parameters, fp32 AdamW, batch {w.batch} x "
+          f"seq {w.seq} per rank, {steps} steps; MiB per rank (the largest rank)")  # fmt: skip
+    print()
+    print("| N | system | theory 16·Ψ/N | estimate | held (memory_stats) | peak RSS growth "
+          "| growth - held | below DDP | baseline |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    args = argparse.Namespace(threads=1, layers=w.layers, steps=steps, warmup=0,
+                              profile=False, timeout=timeout)  # fmt: skip
+    ok = True
+    for n in worlds:
+        estimate = estimate_model_states(meta, n, config=Zero3Config())
+        ddp = None
+        for system in systems:
+            # DDP needs a process group; one process trains plainly.
+            name = "plain" if system == "ddp" and n == 1 else system
+            run = bench.launch(name, n, args)
+            growth = max(p - b for p, b in zip(run["rss"], run["baseline"], strict=True))
+            ddp = growth if system == "ddp" else ddp
+            below = f"{(ddp - growth) / MiB:.0f}" if ddp is not None and system != "ddp" else "-"
+            held = est = extra = "-"
+            if "held" in run:
+                off = abs(run["held"] - estimate.per_rank_bytes) / estimate.per_rank_bytes
+                ok &= off < 0.01
+                held = f"{run['held'] / MiB:.1f}"
+                est = f"{estimate.per_rank_bytes / MiB:.1f}"
+                extra = f"{(growth - run['held']) / MiB:.0f}"
+            theory = 16 * psi / (n if system.startswith("zero3") else 1)
+            base = max(run["baseline"]) / MiB
+            print(f"| {n} | {name} | {theory / MiB:.0f} | {est} | {held} | {growth / MiB:.0f} "
+                  f"| {extra} | {below} | {base:.0f} |", flush=True)  # fmt: skip
+    print("\nestimate: zero3.core.estimate_model_states(model on meta, N); held: "
+          "zero3.hooks.memory_stats(model, optimizer) after each backward, most of any "
+          "step")  # fmt: skip
+    return ok
+
+
+def cap(layers: int, allowance: int, timeout: float) -> bool:
+    """zero3 at world 4 trains under a per-process RLIMIT_DATA cap that DDP exceeds."""
+    w = Workload(layers=layers, batch=1)
+    weights, _ = _sizes(w)
+    print(f"model: GPT {layers} layers, W = {weights / MiB:.0f} MiB; fp32 AdamW state "
+          f"unsharded 16·Ψ = {4 * weights / MiB:.0f} MiB; cap per process: VmData at the "
+          f"start + {allowance / MiB:.0f} MiB (RLIMIT_DATA)")  # fmt: skip
+    outcome: dict[str, bool] = {}
+    oom_seen = False
+    for system in ("zero3-lean", "ddp"):
+        rows = launch("cap", 4, {"workload": vars(w), "system": system, "steps": 3,
+                                 "allowance": allowance}, timeout)  # fmt: skip
+        ok = all(r.get("ok") for r in rows)
+        outcome[system] = ok
+        errors = sorted({r.get("error") or r.get("crash", "") for r in rows if not r.get("ok")})
+        if system == "ddp":
+            oom_seen = any("can't allocate memory" in e for e in errors)
+        data = max(r.get("data", 0) for r in rows) / MiB
+        print(f"  {system} at world 4: " + ("trained 3 steps, losses "
+              + ", ".join(f"{x:.4f}" for x in rows[0]["losses"]) if ok else "failed: "
+              + " | ".join(errors)) + f" (data segment grew {data:.0f} MiB)")  # fmt: skip
+    expected = outcome["zero3-lean"] and oom_seen
+    print("  as claimed" if expected else "  NOT as claimed")
+    return expected
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("what", nargs="?", choices=["build", "load", "table", "cap"], default="build")
+    p.add_argument("--worlds", default=None, help="comma-separated world sizes")
+    p.add_argument("--checkpoint", type=Path, default=Path("/tmp/zero3-memory/gpt-2048x8"),
+                   help="where `load` writes (once) and reads its checkpoint")  # fmt: skip
+    p.add_argument("--steps", type=int, default=3, help="training steps for `table`")
+    p.add_argument(
+        "--systems", default="ddp,zero3-lean,zero3", help="tools/bench.py systems for `table`"
+    )
+    p.add_argument("--cap-layers", type=int, default=16, help="model layers for `cap`")
+    p.add_argument("--cap-mib", type=int, default=800, help="RLIMIT_DATA allowance for `cap`")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker_main(args.worker, json.loads(args.spec))
+    worlds = [int(x) for x in args.worlds.split(",")] if args.worlds else None
+    if args.what == "build":
+        ok = bounds(SMALL, worlds or [2], "", args.timeout)
+    elif args.what == "load":
+        write_checkpoint(BIG, args.checkpoint)
+        ok = bounds(BIG, worlds or [2, 4], str(args.checkpoint), args.timeout)
+    elif args.what == "table":
+        systems = args.systems.split(",")
+        ok = table(worlds or [1, 2, 4], systems, args.steps, args.timeout)
+    else:
+        ok = cap(args.cap_layers, args.cap_mib * MiB, args.timeout)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
