@@ -125,11 +125,11 @@ def test_deepspeed_config(tmp_path):
         (["--resume", "missing-ckpt"], "no checkpoint at missing-ckpt: the path does not exist"),
     ],
 )
-def test_bad_flags_get_clear_messages(tmp_path, flags, message):
-    result = _run([sys.executable, str(TRAIN), *flags], tmp_path, timeout=60)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+def test_bad_flags_get_clear_messages(train_launcher, tmp_path, flags, message):
+    code, out, err = train_launcher(flags, tmp_path)
+    assert code == 2
+    assert message in err
+    assert "launching" not in out
 
 
 def _final_loss(result: subprocess.CompletedProcess[str]) -> float:

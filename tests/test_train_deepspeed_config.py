@@ -84,12 +84,13 @@ def _bad(tmp_path: Path, **changes: object) -> Path:
          "zero_optimization must be a JSON object (a mapping), got null"),
     ],
 )  # fmt: skip
-def test_bad_configs_fail_before_any_rank_starts(tmp_path, changes, message):
-    result = _run(["--deepspeed-config", str(_bad(tmp_path, **changes)), *TINY], tmp_path, 60)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-    assert "launching" not in result.stdout
+def test_bad_configs_fail_before_any_rank_starts(train_launcher, tmp_path, changes, message):
+    code, out, err = train_launcher(
+        ["--deepspeed-config", str(_bad(tmp_path, **changes)), *TINY], tmp_path
+    )
+    assert code == 2
+    assert message in err
+    assert "launching" not in out
 
 
 def _settings(tmp_path: Path, config: dict[str, object], *flags: str, world: int = 2):
