@@ -18,7 +18,7 @@ from zero3.comm import GlooBackend
 from zero3.core import Zero3Config, estimate_model_states
 from zero3.hooks import empty_init, full_state_dict, memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer
-from zero3.testing.models import TinyGPT, loss_of, token_batch
+from zero3.testing.models import TinyGPT, loss_of, token_batch, train_beside
 
 pytestmark = pytest.mark.multirank
 
@@ -39,23 +39,9 @@ def _param_diff(full: dict[str, torch.Tensor], reference: nn.Module) -> float:
 def _train_both(model: nn.Module, reference: nn.Module, batch: Any, comm: Any) -> dict[str, Any]:
     """STEPS AdamW steps of the sharded model (this rank's rows) and of the reference
     (the whole batch); the loss differences and the final weight difference."""
-    n, r = comm.world_size, comm.rank
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     ropt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    diffs = []
-    for step in range(STEPS):
-        x = batch(LOCAL * n, step)
-        loss = batch.loss(model, x[r * LOCAL : (r + 1) * LOCAL])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = batch.loss(reference, x)
-        ref_loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        mean = loss.detach().clone()
-        comm.all_reduce(mean).wait()
-        diffs.append(abs(float(mean) / n - float(ref_loss.detach())))
+    diffs = train_beside(model, opt, reference, ropt, batch, comm, STEPS, LOCAL, batch.loss)
     return {
         "loss_diff": max(diffs),
         "param_diff": _param_diff(full_state_dict(model), reference),
@@ -401,12 +387,17 @@ def _memory_after_a_step() -> dict[str, Any]:
     loss_of(model(x)).backward()
     opt.step()
     measured = memory_stats(model, opt)
-    return {"measured": measured, "estimate": estimate}
+    return {"measured": measured, "estimate": estimate, "step": stats(model)}
 
 
 def test_memory_stats_match_the_estimate(worker_pool):
     for result in worker_pool(2).run(_memory_after_a_step):
         measured, estimate = result["measured"], result["estimate"]
+        # stats() carries the same figures, finding the optimizer by itself.
+        step = result["step"]
+        assert step.memory is not None and step.gathers > 0
+        assert step.memory.held_bytes == measured.held_bytes
+        assert step.memory.optimizer_bytes == measured.optimizer_bytes > 0
         assert measured.param_bytes == estimate.param_bytes
         assert measured.master_bytes == estimate.master_bytes == 0  # fp32: shards are masters
         assert measured.grad_bytes >= estimate.grad_bytes  # bucket alignment may pad

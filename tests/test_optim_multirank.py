@@ -21,7 +21,7 @@ from zero3.core import FingerprintMismatchError, Zero3Config, sharded_state
 from zero3.hooks import full_state_dict, shard_module, stats
 from zero3.optim import PartitionedOptimizer
 from zero3.testing import RankExited
-from zero3.testing.models import Routed, build, loss_of, routed_input
+from zero3.testing.models import Routed, build, loss_of, routed_input, train_beside
 
 pytestmark = pytest.mark.multirank
 
@@ -138,7 +138,6 @@ def _train(
 def _train_losses(name: str, optimizer: str, steps: int = STEPS, **config: Any) -> dict[str, Any]:
     """Loss per step of sharded vs one-process training (both measured before the step)."""
     comm = GlooBackend(timeout_s=30)
-    n, r = comm.world_size, comm.rank
     model, make = build(name)
     reference = copy.deepcopy(model)
     config.setdefault("param_persistence_threshold", 0)
@@ -146,20 +145,7 @@ def _train_losses(name: str, optimizer: str, steps: int = STEPS, **config: Any) 
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = PartitionedOptimizer(model, cls, **kwargs)
     ropt = cls([p for p in reference.parameters() if p.requires_grad], **kwargs)
-    diffs = []
-    for step in range(steps):
-        x = make(LOCAL * n, step)
-        loss = loss_of(model(x[r * LOCAL : (r + 1) * LOCAL]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = loss_of(reference(x))
-        ref_loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        mean = loss.detach().clone()
-        comm.all_reduce(mean).wait()
-        diffs.append(abs(float(mean) / n - float(ref_loss)))
+    diffs = train_beside(model, opt, reference, ropt, make, comm, steps, LOCAL)
     return {"max_loss_diff": max(diffs), "off": _close_params(full_state_dict(model), reference)}
 
 

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from _bench.workload import GPT  # the benchmark's model (tools/ is this script's path)
 from torch import nn
 
 RESULT = "GPU_CHECK_RESULT "
@@ -44,47 +44,6 @@ class Shape:
     vocab: int = 32768
     seq: int = 1024
     batch: int = 8
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block."""
-
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.heads = s.heads
-        self.ln1 = nn.LayerNorm(s.d_model)
-        self.qkv = nn.Linear(s.d_model, 3 * s.d_model)
-        self.proj = nn.Linear(s.d_model, s.d_model)
-        self.ln2 = nn.LayerNorm(s.d_model)
-        self.fc = nn.Linear(s.d_model, 4 * s.d_model)
-        self.out = nn.Linear(4 * s.d_model, s.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token and position embeddings, blocks, a head; returns the cross-entropy loss."""
-
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(s.vocab, s.d_model)
-        self.pos = nn.Embedding(s.seq, s.d_model)
-        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
-        self.ln_f = nn.LayerNorm(s.d_model)
-        self.head = nn.Linear(s.d_model, s.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x)).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build(shape: Shape, device: torch.device) -> GPT:

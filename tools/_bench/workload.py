@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,25 @@ class Workload:
         return 12 * self.d_model**2 + 13 * self.d_model
 
 
+class GPTShape(Protocol):
+    """What :class:`GPT` is built from (a :class:`Workload`, or tools/gpu_check.py's shape)."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+
+
 class Block(nn.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, w: Workload) -> None:
+    def __init__(self, w: GPTShape) -> None:
         super().__init__()
         self.heads = w.heads
         self.ln1 = nn.LayerNorm(w.d_model)
@@ -54,7 +70,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Untied embeddings and head (33.7M parameters at the default size)."""
 
-    def __init__(self, w: Workload) -> None:
+    def __init__(self, w: GPTShape) -> None:
         super().__init__()
         self.tok = nn.Embedding(w.vocab, w.d_model)
         self.pos = nn.Embedding(w.seq, w.d_model)
@@ -63,10 +79,10 @@ class GPT(nn.Module):
         self.head = nn.Linear(w.d_model, w.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x)).float()  # the loss in fp32 for bf16 models
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 

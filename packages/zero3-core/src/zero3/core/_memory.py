@@ -119,21 +119,21 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     Args:
         module: A module returned by ``zero3.hooks.shard_module``.
-        optimizer: Its optimizer (``zero3.optim.PartitionedOptimizer`` or any torch
-            optimizer over its shards), to count masters and optimizer state.
+        optimizer: An optimizer over its shards whose masters and state to count;
+            default: every ``zero3.optim.PartitionedOptimizer`` stepping the model
+            (none before one is built).
     """
     state = sharded_state(module)
     sps = state.params
     shards = [sp.shard for sp in sps] + [sp.param for sp in sps if sp.persistent]
     param_bytes = _storage_bytes(shards)
     grad_bytes = _storage_bytes(state.reducer.grad_buffers())
-    master_bytes = optimizer_bytes = stepped = 0
-    if optimizer is not None:
-        masters = [p for g in optimizer.param_groups for p in g["params"]]
-        master_bytes = _storage_bytes(masters, skip=_storages(shards))
-        stepped = sum(p.numel() for p in masters)
-        values = [v for s in optimizer.state.values() for v in s.values()]
-        optimizer_bytes = _storage_bytes(v for v in values if isinstance(v, torch.Tensor))
+    optimizers = [optimizer] if optimizer is not None else state.optimizers()
+    masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]  # type: ignore[attr-defined]
+    master_bytes = _storage_bytes(masters, skip=_storages(shards))
+    stepped = sum(p.numel() for p in masters)
+    values = [v for opt in optimizers for s in opt.state.values() for v in s.values()]  # type: ignore[attr-defined]
+    optimizer_bytes = _storage_bytes(v for v in values if isinstance(v, torch.Tensor))
     psi = sum(sp.numel for sp in sps)
     trainable = sum(sp.numel for sp in sps if sp.requires_grad)
     el = max((sp.param.element_size() for sp in sps), default=4)

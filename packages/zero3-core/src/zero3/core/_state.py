@@ -406,6 +406,14 @@ class ShardedModelState:
         for sp in params:
             self._optimizer_of[sp.index] = optimizer
 
+    def optimizers(self) -> list[object]:
+        """The optimizers that claimed parameters of this model, in claiming order."""
+        found: list[object] = []
+        for optimizer in self._optimizer_of.values():
+            if not any(optimizer is seen for seen in found):
+                found.append(optimizer)
+        return found
+
     def owns(self, param: torch.Tensor) -> ShardedParam | None:
         """The sharded state of ``param`` if it is a parameter of this model, else None."""
         sp = _params.lookup(param)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zero3.core._memory import MemoryStats
 
 __all__ = ["StatsBook", "StepStats"]
 
@@ -46,6 +50,9 @@ class StepStats:
         refresh_gathers: Persistent-parameter refresh gathers after optimizer steps.
         refresh_bytes: Bytes in those refresh buffers.
         other_collectives: Small collectives outside the above (norms, overflow flags).
+        memory: Model-state bytes this rank holds against one unsharded process, the
+            gathered-parameter and resident-set peaks (``zero3.hooks.stats`` fills it
+            when called; None in the counters the engine keeps).
     """
 
     world_size: int = 1
@@ -71,6 +78,7 @@ class StepStats:
     refresh_gathers: int = 0
     refresh_bytes: int = 0
     other_collectives: int = 0
+    memory: MemoryStats | None = None
 
     def _wire(self, nbytes: int) -> float:
         return nbytes * (self.world_size - 1) / self.world_size

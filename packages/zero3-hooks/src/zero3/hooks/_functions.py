@@ -29,8 +29,8 @@ class BackwardListener(Protocol):
         """Gradients reached the module's inputs."""
 
 
-class PreBackward(torch.autograd.Function):
-    """Identity on a module's outputs; its backward gathers the module's parameters."""
+class _ListenedIdentity(torch.autograd.Function):
+    """Identity on some tensors whose backward tells a listener about a module."""
 
     @staticmethod
     def forward(
@@ -39,6 +39,10 @@ class PreBackward(torch.autograd.Function):
         ctx.listener = listener
         ctx.module_index = module_index
         return tuple(t.detach() for t in tensors)
+
+
+class PreBackward(_ListenedIdentity):
+    """Identity on a module's outputs; its backward gathers the module's parameters."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -46,16 +50,8 @@ class PreBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class PostBackward(torch.autograd.Function):
+class PostBackward(_ListenedIdentity):
     """Identity on a module's inputs; its backward releases the module's parameters."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, listener: BackwardListener, module_index: int, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.listener = listener
-        ctx.module_index = module_index
-        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

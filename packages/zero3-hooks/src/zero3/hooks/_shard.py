@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable
@@ -250,15 +251,24 @@ def unshard_module(module: nn.Module) -> nn.Module:
 
 
 def stats(module: nn.Module) -> StepStats:
-    """The coordinator's counters for the last step of a sharded module."""
-    return sharded_state(module).last_stats()
+    """The counters of the last step of a sharded module, with its memory now.
+
+    A snapshot: what was gathered, prefetched and reduced in the last finished step,
+    and in :attr:`~zero3.core.StepStats.memory` the model-state bytes this rank holds
+    (counting the optimizers that step the model) against one unsharded process, and
+    the peaks (see :func:`memory_stats`).
+    """
+    return dataclasses.replace(
+        sharded_state(module).last_stats(), memory=_core_memory_stats(module)
+    )
 
 
 def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
     """Model-state bytes this rank holds against one unsharded process, and the peaks.
 
     The sibling of :func:`stats` for memory: parameter shards, gradient shards, fp32
-    masters and optimizer state (pass the optimizer to count the last two), against what
+    masters and optimizer state (of ``optimizer``, default the PartitionedOptimizers
+    stepping the model), against what
     one process would hold; the full parameters gathered now and at most since
     sharding; the cached buffers; and the process's peak resident set. See
     :class:`zero3.core.MemoryStats`; :func:`zero3.core.estimate_model_states` answers

@@ -28,6 +28,7 @@ __all__ = [
     "build",
     "routed_input",
     "token_batch",
+    "train_beside",
 ]
 
 
@@ -320,3 +321,50 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Callable[[int, int], tor
 def loss_of(output: Any) -> torch.Tensor:
     """A scalar loss that touches every output element (mean of squares)."""
     return output.float().pow(2).mean()
+
+
+def train_beside(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    reference: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    make: Callable[[int, int], torch.Tensor],
+    comm: Any,
+    steps: int,
+    local: int,
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> list[float]:
+    """Train a sharded model and a one-process reference side by side.
+
+    Each step the sharded model sees this rank's ``local`` rows of the global batch
+    ``make(local * world, step)`` and the reference sees all of it. Returns, per step,
+    ``|mean of the ranks' losses - reference loss|`` (equal losses: ~0).
+
+    Args:
+        model: The sharded model.
+        opt: Its optimizer.
+        reference: The same model in one process.
+        ref_opt: The reference's optimizer.
+        make: ``make(rows, seed)``: a batch of ``rows`` samples.
+        comm: The ranks (for the mean loss).
+        steps: Optimizer steps.
+        local: Samples per rank per step.
+        loss: ``loss(model, batch)``; default ``loss_of(model(batch))``.
+    """
+    loss = loss or (lambda m, x: loss_of(m(x)))
+    n, r = comm.world_size, comm.rank
+    diffs = []
+    for step in range(steps):
+        x = make(local * n, step)
+        mine = loss(model, x[r * local : (r + 1) * local])
+        mine.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss(reference, x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = mine.detach().clone()
+        comm.all_reduce(mean).wait()
+        diffs.append(abs(float(mean) / n - float(ref_loss.detach())))
+    return diffs

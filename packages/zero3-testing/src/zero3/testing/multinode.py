@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zero3.comm import CommBackend, ReduceOp, create_backend, local_device_index, local_rank
+from zero3.comm import CommBackend, create_backend, local_device_index, local_rank
 
 __all__ = ["main", "node_key", "train_against_one_process"]
 
@@ -53,28 +53,14 @@ def train_against_one_process(comm: CommBackend, steps: int) -> dict[str, float]
     from zero3.core import Zero3Config
     from zero3.hooks import full_state_dict, shard_module, stats
     from zero3.optim import PartitionedOptimizer
-    from zero3.testing.models import build, loss_of
+    from zero3.testing.models import build, train_beside
 
-    n, r = comm.world_size, comm.rank
     model, make = build("gpt_tied")
     reference = copy.deepcopy(model)
     shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    diffs = []
-    for step in range(steps):
-        x = make(LOCAL * n, step)
-        loss = loss_of(model(x[r * LOCAL : (r + 1) * LOCAL]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = loss_of(reference(x))
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean = loss.detach().clone()
-        comm.all_reduce(mean, op=ReduceOp.SUM).wait()
-        diffs.append(abs(float(mean) / n - float(ref_loss.detach())))
+    diffs = train_beside(model, opt, reference, ref_opt, make, comm, steps, LOCAL)
     full = full_state_dict(model)
     off = total = 0
     for key, value in reference.state_dict().items():
