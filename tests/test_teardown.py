@@ -68,12 +68,13 @@ def gloo_workers() -> list[str]:
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
-def test_user_script_without_cleanup_exits_zero_every_time(tmp_path):
+def test_user_script_without_cleanup_exits_zero(tmp_path):
+    # One run here; tools/exit_check.py --runs 50 is the measurement (docs/troubleshooting).
     script = tmp_path / "checked_run.py"
     script.write_text(_CHECKED_RUN.format(script=str(USER_SCRIPT)))
     out = tmp_path / "tally.json"
     cmd = [
-        sys.executable, str(ROOT / "tools" / "exit_check.py"), "--runs", "2",
+        sys.executable, str(ROOT / "tools" / "exit_check.py"), "--runs", "1",
         "--scripts", str(script), "--timeout", "150", "--json", str(out),
         "--logs", str(tmp_path / "logs"),
     ]  # fmt: skip
@@ -81,7 +82,7 @@ def test_user_script_without_cleanup_exits_zero_every_time(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     (tally,) = json.loads(out.read_text())
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*")))
-    assert tally["runs"] == 2, result.stdout
+    assert tally["runs"] == 1, result.stdout
     assert (tally["failed"], tally["aborted"], tally["hung"]) == (0, 0, 0), result.stdout + logs
 
 

@@ -150,10 +150,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="save a sharded checkpoint to DIR at the end (and every --save-every steps), "
-        "replacing the previous one atomically; '{step}' in DIR becomes the step number",
+        "replacing the previous one atomically; '{step}' in DIR becomes the step number "
+        "(default: none)",
     )
     ckpt.add_argument(
-        "--save-every", type=int, default=None, metavar="K", help="also save every K steps"
+        "--save-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also save every K steps (default: only at the end)",
     )
     ckpt.add_argument(
         "--save-async", action="store_true", help="write checkpoints while training goes on"
@@ -163,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="continue from a checkpoint, with any number of ranks (keep --batch x ranks "
-        "to see the same global batches)",
+        "to see the same global batches; default: a fresh start)",
     )
     out = p.add_argument_group("output")
     out.add_argument(
