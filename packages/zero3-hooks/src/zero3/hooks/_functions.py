@@ -29,7 +29,7 @@ class BackwardListener(Protocol):
         """Gradients reached the module's inputs."""
 
 
-class _ListenedIdentity(torch.autograd.Function):
+class ListenedIdentity(torch.autograd.Function):
     """Identity on some tensors whose backward tells a listener about a module."""
 
     @staticmethod
@@ -41,7 +41,7 @@ class _ListenedIdentity(torch.autograd.Function):
         return tuple(t.detach() for t in tensors)
 
 
-class PreBackward(_ListenedIdentity):
+class PreBackward(ListenedIdentity):
     """Identity on a module's outputs; its backward gathers the module's parameters."""
 
     @staticmethod
@@ -50,7 +50,7 @@ class PreBackward(_ListenedIdentity):
         return (None, None, *grads)
 
 
-class PostBackward(_ListenedIdentity):
+class PostBackward(ListenedIdentity):
     """Identity on a module's inputs; its backward releases the module's parameters."""
 
     @staticmethod
