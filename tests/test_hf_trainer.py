@@ -33,38 +33,17 @@ LAUNCH_TIMEOUT_S = 420  # a whole torchrun launch (imports, several tiny trainin
 
 
 def _data(n: int, seed: int) -> list[dict[str, Any]]:
-    import torch
+    from zero3.testing.hf_models import lm_rows
 
-    from zero3.testing.hf_models import SEQ, VOCAB
-
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
-    return [{"input_ids": row, "labels": row} for row in ids]
+    return lm_rows(n, seed)
 
 
 def _args(out: Path, **overrides: Any) -> Any:
     """Accumulation 2, clipping 1.0, linear warmup, weight decay, a seed."""
-    from transformers import TrainingArguments
+    from zero3.testing.hf_models import trainer_arguments
 
-    kwargs: dict[str, Any] = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        warmup_steps=2,
-        lr_scheduler_type="linear",
-        max_steps=STEPS,
-        seed=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-    )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
+    settings = {"per_device_eval_batch_size": 4, "max_steps": STEPS, **overrides}
+    return trainer_arguments(out, **settings)
 
 
 def _losses(trainer: Any) -> list[float]:

@@ -215,7 +215,7 @@ def test_init_empty_and_from_weights(tmp_path):
     runs = {
         "eager": _run([*common, "--steps", "1"], tmp_path),
         "from": _run([*common, "--steps", "1", "--from", "weights"], tmp_path),
-        "empty": _run([*common, "--init", "empty"], tmp_path),
+        "empty": _run([*common, "--steps", "1", "--init", "empty"], tmp_path),
     }
     for name, result in runs.items():
         assert result.returncode == 0, (name, result.stdout + result.stderr)

@@ -21,7 +21,7 @@ from zero3.hf._deepspeed import (
     warn_unused_sections,
 )
 from zero3.hooks import shard_module
-from zero3.testing.hf_models import SEQ, VOCAB, build_hf
+from zero3.testing.hf_models import build_hf, lm_rows, trainer_arguments
 
 pytestmark = pytest.mark.transformers
 
@@ -30,29 +30,11 @@ TRANSFORMERS_ZERO3 = json.loads((DS_JSON / "transformers_zero3.json").read_text(
 
 
 def _args(tmp_path: Path, **overrides: object) -> TrainingArguments:
-    kwargs: dict[str, object] = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
-        learning_rate=1e-2,
-        weight_decay=0.1,
-        warmup_steps=2,
-        max_steps=3,
-        seed=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-    )
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)  # type: ignore[arg-type]
+    return trainer_arguments(tmp_path, **overrides)
 
 
 def _data(n: int = 16) -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
-    return [{"input_ids": row, "labels": row} for row in ids]
+    return lm_rows(n, 1)
 
 
 # -- filling "auto" ----------------------------------------------------------------------

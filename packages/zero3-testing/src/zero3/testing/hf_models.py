@@ -6,11 +6,13 @@ transformers is a test-only dependency; importing this module imports it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["HF_MODELS", "build_hf", "leaf_classes"]
+__all__ = ["HF_MODELS", "build_hf", "leaf_classes", "lm_rows", "trainer_arguments"]
 
 VOCAB = 64
 SEQ = 12
@@ -114,3 +116,37 @@ def build_hf(name: str, seed: int = 0) -> nn.Module:
 def tokens(batch: int, seed: int) -> torch.Tensor:
     """A deterministic batch of token ids."""
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` language-modelling samples (``input_ids`` = ``labels``) for the models here."""
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def trainer_arguments(output_dir: str | Path, **overrides: Any) -> Any:
+    """``TrainingArguments`` on the CPU with what the Trainer tests compare: accumulation 2,
+    clipping 1.0, linear warmup over 2 steps, weight decay, lr 1e-2, seed 0, 3 steps, a
+    loss logged every step, no saves, no reports. ``overrides`` replace any of them.
+    """
+    from transformers import TrainingArguments
+
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_steps=3,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
