@@ -71,6 +71,24 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
+def match_keys(
+    module: nn.Module,
+    state_dict: Mapping[str, object],
+    strict: bool,
+    caller: str,
+    error: type[Exception],
+) -> tuple[dict[str, torch.Tensor], LoadResult]:
+    """The module's ``state_dict()`` entries by key, and the keys ``state_dict`` lacks or
+    adds; with ``strict``, any of those raise ``error`` naming them (``caller`` first).
+    """
+    expected = {key: tensor for key, _, tensor in state_dict_entries(module)}
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if strict and (missing or unexpected):
+        raise error(f"{caller}: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+    return expected, LoadResult(missing, unexpected)
+
+
 def load_full_state_dict(
     module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
 ) -> LoadResult:
@@ -88,13 +106,7 @@ def load_full_state_dict(
     """
     state = sharded_state(module)  # a clear error for a module that is not sharded
     state.agree(OpKind.LOAD)  # a collective: a rank that skips it fails every rank now
-    expected = {key: tensor for key, _, tensor in state_dict_entries(module)}
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}"
-        )
+    expected, result = match_keys(module, state_dict, strict, "load_full_state_dict", RuntimeError)
     with torch.no_grad():
         for key, target in expected.items():
             if key not in state_dict:
@@ -110,4 +122,4 @@ def load_full_state_dict(
                 target.copy_(value)
                 continue
             state.write_full(sp, value.reshape(-1).to(device=sp.shard.device, dtype=sp.dtype))
-    return LoadResult(missing, unexpected)
+    return result

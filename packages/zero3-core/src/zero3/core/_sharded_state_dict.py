@@ -56,7 +56,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharded_tensor.shard import Shard
 
 from zero3.core._checkpoint_dist import global_ranks
-from zero3.core._full_state_dict import LoadResult, state_dict_entries
+from zero3.core._full_state_dict import LoadResult, match_keys, state_dict_entries
 from zero3.core._params import ParamStatus, ShardedParam, lookup
 from zero3.core._sources import Box, flat_boxes
 from zero3.core._state import ShardedModelState, sharded_state, state_of
@@ -304,19 +304,12 @@ def load_sharded_state_dict(
             gathered right now (inside ``gathered_parameters``: load outside it).
     """
     state = sharded_state(module)
-    expected = {key: tensor for key, _, tensor in state_dict_entries(module)}
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"load_sharded_state_dict: missing keys {missing[:10]}, unexpected keys "
-            f"{unexpected[:10]}"
-        )
+    expected, result = match_keys(module, state_dict, strict, "load_sharded_state_dict", ValueError)
     with torch.no_grad():
         for key, target in expected.items():
             if key in state_dict:
                 _load_entry(state, key, target, state_dict[key], update_masters)
-    return LoadResult(missing, unexpected)
+    return result
 
 
 def _load_entry(
