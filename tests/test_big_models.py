@@ -7,6 +7,7 @@ process started from the same weights.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -411,3 +412,44 @@ def test_memory_stats_match_the_estimate(worker_pool):
         assert measured.unsharded_bytes == pytest.approx(16 * psi, rel=0.01)
         assert measured.held_fraction == pytest.approx(0.5, abs=0.02)
         assert measured.peak_gathered_bytes > 0 and measured.peak_rss_bytes > 0
+
+
+def _pool_in_the_first_forward() -> dict[str, Any]:
+    comm = GlooBackend(timeout_s=60)
+    # Twelve layers of twelve different shapes (8.7 MB in all): no released storage fits
+    # a later gather, so whatever the pool may keep in the first step it keeps.
+    widths = [256 + 32 * i for i in range(13)]
+    model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    largest = max(p.numel() * 4 for p in model.parameters())
+    shard_module(
+        model,
+        Zero3Config(
+            param_persistence_threshold=0,
+            max_reuse_distance=0,
+            prefetch_bucket_size=8_000,
+            max_live_parameters=16_000,
+        ),
+        comm=comm,
+    )
+    with torch.no_grad():
+        model(torch.randn(2, widths[0]))
+    memory = memory_stats(model)
+    return {
+        "pool": memory.pool_bytes,
+        "model": memory.numel * 4,
+        "largest": largest,
+        "gathers": stats(model).gathers,
+    }
+
+
+def test_the_pool_keeps_what_the_config_allows_gathered_in_the_first_step(worker_pool):
+    # Before the first step has measured its working set, the pool's limit comes from what
+    # the config lets be gathered at once (here one layer: each is larger than
+    # max_live_parameters plus a prefetch bucket), not from the model, whose every
+    # released storage it would keep.
+    for result in worker_pool(2).run(_pool_in_the_first_forward):
+        assert result["gathers"] >= 12
+        peak = result["largest"] + 4096  # padding to the world size, at most
+        limit = 2 * peak + peak // 2 + 2**20
+        assert limit < result["model"]  # the old limit would not be tested
+        assert 0 < result["pool"] <= limit, result

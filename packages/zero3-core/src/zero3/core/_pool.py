@@ -9,8 +9,10 @@ Note:
     keeps freed buffers and hands them out again, best fit: a request is served by the
     smallest cached buffer that holds it and is at most twice its size, so the
     gradient bucket of backward reuses the gather buffer of forward instead of adding
-    to the peak. What it caches is bounded by ``limit_bytes`` (the state sets it to the
-    model's gathered size) and can be dropped with :meth:`clear`. Only CPU buffers are
+    to the peak. What it caches is bounded by ``limit_bytes`` (before the first step the
+    state sets it to the model's gathered size, or less where ``max_live_parameters`` and
+    the prefetch bucket keep fewer parameters gathered at once) and can be dropped with
+    :meth:`clear`. Only CPU buffers are
     kept: device memory already comes from torch's caching allocator, which also knows
     when a stream has finished with a block.
 

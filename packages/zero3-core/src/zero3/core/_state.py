@@ -106,12 +106,7 @@ class ShardedModelState:
         self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
-        # The largest buffers a step needs at once: a whole-model gather (its receive
-        # buffer, the model's bytes, plus the send buffer, 1/N of that); the gradient
-        # bucket reuses them (best fit). See BufferPool.
-        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
-        limit = model_bytes + model_bytes // comm.world_size + (1 << 20)
-        self.pool = BufferPool(limit_bytes=limit)
+        self.pool = BufferPool(limit_bytes=self._first_pool_limit())
         self.coordinator = ParamCoordinator(
             comm, config, self.modules, self._direct_params(), self.stats, self.pool, self.guard
         )
@@ -250,6 +245,28 @@ class ShardedModelState:
             _params.free_full(param)
             sp.set_status(ParamStatus.NOT_AVAILABLE)
         return sp
+
+    def _first_pool_limit(self) -> int:
+        """What the buffer pool may cache before the first step has measured its working set.
+
+        The largest buffers a step needs at once: a whole-model gather (its receive buffer,
+        the model's bytes, plus the send buffer, 1/N of that); the gradient bucket reuses
+        them (best fit). A configuration that keeps fewer parameters gathered
+        (``max_live_parameters`` plus one prefetch bucket, or the largest parameter if
+        that is more) bounds it further, as the end of each step does with the measured
+        peak: otherwise the first step of a model whose parameters differ in size could
+        cache a released storage of every size, the whole model. See BufferPool.
+        """
+        world = self.comm.world_size
+        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        whole = model_bytes + model_bytes // world + (1 << 20)
+        if not self.params:
+            return whole
+        elem = max(sp.shard.element_size() for sp in self.params)
+        largest = max(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        live = self.config.max_live_parameters + self.config.prefetch_bucket_size
+        peak = max(largest, live * elem)
+        return min(whole, 2 * peak + peak // world + (1 << 20))
 
     def _apply_leaves(self) -> None:
         matched = match_leaf_modules(
