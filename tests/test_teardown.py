@@ -402,3 +402,24 @@ def test_release_groups_keeps_rank_named_groups_and_older_ones(worker_pool):
     # Rank 1 is no member of the subgroup: it releases both duplicates.
     assert r1["left"] == 0 and r1["kept"] == [False] and r1["gone"], r1
     assert r1["closed"] == [True, True], r1
+
+
+def _make_a_duplicate() -> int:
+    from zero3.comm import _teardown
+
+    twin = GlooBackend(timeout_s=30).duplicate()
+    twin.all_reduce(torch.ones(1)).wait()
+    return len(_teardown.zero3_groups())
+
+
+def _count_zero3_groups() -> int:
+    from zero3.comm import _teardown
+
+    return len(_teardown.zero3_groups())
+
+
+def test_the_pool_releases_zero3_groups_after_each_case(worker_pool):
+    group = worker_pool(2)
+    made = group.run(_make_a_duplicate)
+    assert all(n >= 1 for n in made), made
+    assert group.run(_count_zero3_groups) == [0, 0]
