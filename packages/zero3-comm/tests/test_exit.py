@@ -71,7 +71,12 @@ def test_groups_zero3_created_are_destroyed_at_exit() -> None:
         twin = comm.duplicate()
         store = comm._tmp_store
         assert dist.is_initialized() and len(_teardown.zero3_groups()) == 2
-        assert any(n.startswith("pt_gloo") for n in thread_names())
+        import time
+
+        deadline = time.monotonic() + 30  # gloo's threads name themselves once they run
+        while not any(n.startswith("pt_gloo") for n in thread_names()):
+            assert time.monotonic() < deadline, thread_names()
+            time.sleep(0.01)
         x = torch.ones(4)
         twin.all_reduce(x)  # never waited for
         torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # imports torch._dynamo
