@@ -209,3 +209,217 @@ def test_a_collective_that_cannot_finish_leaves_its_group_and_does_not_wait(work
     assert r0["left_open"] and r0["still_listed"] and not r0["pending_done"], r0
     for r in (r0, r1):
         assert r["closed"] and r["forgotten"] and r["x"], r
+
+
+# -- release_groups: zero3's groups released mid-run, as the pool does after each case -------
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's gloo threads: per live gloo group, two workers and the
+    transport's loop (the thread that wakes up while the group is idle).
+    """
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith(("pt_gloo", "gloo_tcp")))
+
+
+def _wait_for_threads(count: int) -> list[str]:
+    """The gloo threads once there are ``count`` (threads name themselves once they run)."""
+    deadline = time.monotonic() + 30
+    while len(gloo_threads()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return gloo_threads()
+
+
+def _release_groups_mid_run() -> dict[str, object]:
+    import torch.distributed as dist
+    from torch import nn
+
+    from zero3.comm import release_groups
+    from zero3.core import Zero3Config
+    from zero3.hooks import shard_module
+
+    comm = GlooBackend(timeout_s=30)  # on the harness's default group (the user's)
+    user = dist.new_group([0, 1])  # the user's own group (collective over the world)
+    on_user = GlooBackend(group=user, timeout_s=30)
+    gc.collect()  # garbage of earlier cases must not end threads while this one counts
+    before = _wait_for_threads(len(gloo_threads()))
+    twin = comm.duplicate()  # groups zero3 creates ...
+    channel = twin.host_channel()
+    assert channel is not None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    shard_module(model, Zero3Config(param_persistence_threshold=0, timeout_s=30), comm=comm)
+    model(torch.randn(2, 4)).sum().backward()  # ... and two more for the model
+    made = [twin.group, channel.group]
+    grown = len(_wait_for_threads(len(before) + 4 * 3)) - len(before)
+    x = torch.full((1000,), float(comm.rank + 1))
+    twin.all_reduce(x)  # nobody waits for it: the release does
+
+    left = release_groups(wait_s=30.0)
+
+    unknown = 0
+    for group in made:
+        try:
+            dist.get_process_group_ranks(group)
+        except KeyError:  # torch's group map no longer has it
+            unknown += 1
+    del made, group  # the last references: the groups' destructors end their threads
+    after = gloo_threads()
+    refusals = []
+    for use in (
+        lambda: twin.all_reduce(torch.ones(1)).wait(),
+        lambda: channel.broadcast(torch.ones(1), 0).wait(),
+        twin.duplicate,
+        lambda: model(torch.randn(2, 4)),  # its gradient and control channels are gone
+    ):
+        try:
+            use()
+            refusals.append("")
+        except CommError as exc:
+            refusals.append(str(exc))
+    y = torch.ones(1)
+    comm.all_reduce(y).wait()  # a backend on the default group still works
+    z = torch.ones(1)
+    on_user.all_reduce(z).wait()  # and one on the user's group
+    user_ranks = dist.get_process_group_ranks(user)
+    on_user.close()
+    dist.destroy_process_group(user)  # the harness never destroys a case's own groups
+    return {
+        "grown": grown,
+        "left": left,
+        "x": x.tolist() == [3.0] * 1000,
+        "unknown": unknown,
+        "threads_back": after == before,
+        "before": before,
+        "after": after,
+        "refusals": refusals,
+        "default": float(y),
+        "user": (float(z), user_ranks),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_release_groups_destroys_zero3_groups_and_ends_their_threads(worker_pool):
+    results = worker_pool(2).run(_release_groups_mid_run, timeout=150)
+    for rank, r in enumerate(results):
+        # Four groups (duplicate, its host channel, the model's two): 3 threads each.
+        assert r["grown"] == 12, (rank, r)
+        assert r["left"] == 0 and r["unknown"] == 2, (rank, r)
+        assert r["x"], (rank, "the collective nobody waited for was not completed first")
+        assert r["threads_back"], (rank, "gloo threads of released groups", r)
+        for text in r["refusals"]:
+            assert "closed" in text and "release_groups" in text, (rank, r["refusals"])
+        assert r["default"] == 2.0 and r["user"] == (2.0, [0, 1]), (rank, r)
+
+
+def _release_out_of_step() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from zero3.comm import release_groups
+
+    comm = GlooBackend(timeout_s=30)
+    twin = comm.duplicate()
+    twin_short = GlooBackend(group=twin.group, timeout_s=3)  # its collectives fail sooner
+    result: dict[str, object] = {}
+    if comm.rank == 0:
+        work = twin_short.all_reduce(torch.ones(8))  # rank 1 never issues it
+        # Rank 0 has a collective its peer will never join: the call must come back after
+        # the wait, leaving that group (and its backends) as they are.
+        result["left"] = release_groups(wait_s=0.5)
+        result["open"] = twin_short.process_group is not None
+        result["done"] = work.is_completed()
+        dist.barrier()  # rank 1 releases only now, so its side stayed up during the wait
+        # The collective fails (its peer's side is gone, or at its timeout): a later call
+        # sees it finished and releases the group.
+        result["left_later"] = release_groups(wait_s=60.0)
+        result["open_later"] = twin_short.process_group is not None
+    else:
+        dist.barrier()
+        result["left"] = release_groups(wait_s=0.5)
+        result["open"] = twin_short.process_group is not None
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_release_groups_returns_when_ranks_are_out_of_step(worker_pool):
+    r0, r1 = worker_pool(2).run(_release_out_of_step, timeout=150)
+    assert (r0["left"], r0["open"], r0["done"]) == (1, True, False), r0
+    assert (r0["left_later"], r0["open_later"]) == (0, False), r0
+    assert (r1["left"], r1["open"]) == (0, False), r1
+
+
+def _rank_named_groups_stay() -> dict[str, object]:
+    import torch.distributed as dist
+
+    from zero3.comm import _teardown, release_groups
+
+    comm = GlooBackend(timeout_s=30)
+    older = comm.duplicate()
+    solo = dist.new_group([0])  # the user's subgroup of rank 0 alone
+    result: dict[str, object] = {}
+    sub = GlooBackend(group=solo, timeout_s=30) if comm.rank == 0 else None
+    # torch names a duplicate of a subgroup after its ranks and the number of live groups.
+    named = sub.duplicate() if sub is not None else None
+    newer = comm.duplicate()
+    kept = [older.group] + ([named.group] if named is not None else [])
+    gone = newer.group
+    result["left"] = release_groups(wait_s=10.0)
+    listed = _teardown.zero3_groups()
+    result["kept"] = [any(g is k for g in listed) for k in kept]
+    result["gone"] = not any(g is gone for g in listed)
+    # Closed all the same, on every rank: what is left is only held for its name.
+    result["closed"] = [b.process_group is None for b in (older, newer)] + (
+        [named.process_group is None] if named is not None else []
+    )
+    del kept, gone, listed
+    if sub is not None:
+        # Had the older duplicate gone, the live-group count would be back at the value it
+        # had when `named` was created, and torch would refuse the name it gives this one.
+        again = sub.duplicate()
+        t = torch.ones(2)
+        again.all_reduce(t).wait()
+        result["again"] = t.tolist()
+        again.close()
+        sub.close()
+    # Leave this worker as the case found it: what zero3 made, then the user's subgroup.
+    _teardown.release_at_exit(wait_s=10.0)  # (the harness created the default group)
+    dist.destroy_process_group(solo)
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_release_groups_keeps_rank_named_groups_and_older_ones(worker_pool):
+    r0, r1 = worker_pool(2).run(_rank_named_groups_stay, timeout=150)
+    # Rank 0 keeps the rank-named duplicate and the older one, and releases the newer.
+    assert r0["left"] == 2 and r0["kept"] == [True, True] and r0["gone"], r0
+    assert r0["closed"] == [True, True, True] and r0["again"] == [1.0, 1.0], r0
+    # Rank 1 is no member of the subgroup: it releases both duplicates.
+    assert r1["left"] == 0 and r1["kept"] == [False] and r1["gone"], r1
+    assert r1["closed"] == [True, True], r1
+
+
+def _make_a_duplicate() -> int:
+    from zero3.comm import _teardown
+
+    twin = GlooBackend(timeout_s=30).duplicate()
+    twin.all_reduce(torch.ones(1)).wait()
+    return len(_teardown.zero3_groups())
+
+
+def _count_zero3_groups() -> int:
+    from zero3.comm import _teardown
+
+    return len(_teardown.zero3_groups())
+
+
+def test_the_pool_releases_zero3_groups_after_each_case(worker_pool):
+    group = worker_pool(2)
+    made = group.run(_make_a_duplicate)
+    assert all(n >= 1 for n in made), made
+    assert group.run(_count_zero3_groups) == [0, 0]

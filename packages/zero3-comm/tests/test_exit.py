@@ -71,7 +71,12 @@ def test_groups_zero3_created_are_destroyed_at_exit() -> None:
         twin = comm.duplicate()
         store = comm._tmp_store
         assert dist.is_initialized() and len(_teardown.zero3_groups()) == 2
-        assert any(n.startswith("pt_gloo") for n in thread_names())
+        import time
+
+        deadline = time.monotonic() + 30  # gloo's threads name themselves once they run
+        while not any(n.startswith("pt_gloo") for n in thread_names()):
+            assert time.monotonic() < deadline, thread_names()
+            time.sleep(0.01)
         x = torch.ones(4)
         twin.all_reduce(x)  # never waited for
         torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # imports torch._dynamo
@@ -108,6 +113,53 @@ def test_a_group_the_user_created_is_left_to_the_user() -> None:
         CHECKS.append(("the user's group is left", dist.is_initialized))
         CHECKS.append(("zero3's duplicate is destroyed", lambda: _teardown.zero3_groups() == []))
         CHECKS.append(("backends closed", lambda: comm.process_group is None))
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "checks passed" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_release_groups_keeps_the_default_group_zero3_made() -> None:
+    result = _run(
+        """
+        import torch
+        import torch.distributed as dist
+        from zero3.comm import CommError, create_backend, release_groups, _teardown
+
+        import time
+
+        def gloo_threads():
+            return [n for n in thread_names() if n.startswith(("pt_gloo", "gloo_tcp"))]
+
+        comm = create_backend("gloo", timeout_s=30)  # zero3 makes the default group here
+        twin = comm.duplicate()
+        twin_group = twin.group
+        deadline = time.monotonic() + 30  # threads name themselves once they run
+        while len(gloo_threads()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(gloo_threads()) == 6, gloo_threads()  # 3 per gloo group
+        twin.all_reduce(torch.ones(4))  # never waited for
+        assert release_groups() == 0
+        try:
+            dist.get_process_group_ranks(twin_group)
+            raise AssertionError("the duplicate's group is still in torch's map")
+        except KeyError:
+            pass
+        del twin_group
+        assert len(gloo_threads()) == 3, gloo_threads()  # the default group's alone
+        try:
+            twin.all_reduce(torch.ones(1))
+            raise AssertionError("a released backend issued a collective")
+        except CommError as exc:
+            assert "release_groups" in str(exc), exc
+        x = torch.ones(2)
+        comm.all_reduce(x).wait()  # the default group (zero3's) and its backend still work
+        assert x.tolist() == [1.0, 1.0] and dist.is_initialized()
+        assert _teardown.zero3_groups() == [dist.group.WORLD]
+        # At exit the default group goes too, as before.
+        CHECKS.append(("default group destroyed", lambda: not dist.is_initialized()))
+        CHECKS.append(("gloo threads ended", lambda: not gloo_threads()))
         """
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -32,6 +32,7 @@ from zero3.comm._registry import (
     registered_backends,
 )
 from zero3.comm._stream import Event, HostStream, Stream, TorchDeviceStream
+from zero3.comm._teardown import release_groups
 from zero3.comm._torch_dist import GlooBackend, TorchDistBackend
 from zero3.comm._types import (
     BackendUnavailableError,
@@ -78,4 +79,5 @@ __all__ = [
     "local_device_index",
     "local_rank",
     "registered_backends",
+    "release_groups",
 ]

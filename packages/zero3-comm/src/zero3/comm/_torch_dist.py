@@ -194,7 +194,8 @@ class TorchDistBackend(CommBackend):
     ``init_method``/``rank``/``world_size``. With none of those, it makes a world of
     one process so single-process scripts run unchanged. A group created here is
     destroyed by :meth:`close`, or at interpreter exit if the program never closed the
-    backend (``zero3.comm._teardown`` explains why that matters for gloo).
+    backend (``zero3.comm._teardown`` explains why that matters for gloo); a duplicate's
+    group also by :func:`~zero3.comm.release_groups`.
 
     Note:
         Every collective is issued with ``async_op=True``. On CPU the host waits with the
@@ -237,7 +238,8 @@ class TorchDistBackend(CommBackend):
         """The process group the collectives run on.
 
         Raises:
-            CommError: The backend was closed (by :meth:`close` or at interpreter exit).
+            CommError: The backend was closed (by :meth:`close`,
+                :func:`~zero3.comm.release_groups` or at interpreter exit).
         """
         if self._group is None:
             raise self._closed_error(f"{self.name} backend (rank {self.rank} of {self.world_size})")
@@ -246,8 +248,8 @@ class TorchDistBackend(CommBackend):
     @staticmethod
     def _closed_error(what: str) -> CommError:
         return CommError(
-            f"{what}: the backend is closed (by close() or at interpreter exit); "
-            "create a new backend"
+            f"{what}: the backend is closed (by close(), zero3.comm.release_groups() or "
+            "at interpreter exit); create a new backend"
         )
 
     @property
@@ -321,8 +323,8 @@ class TorchDistBackend(CommBackend):
             use_local_synchronization=not whole_world,
         )
         # Recorded either way: at exit the program is over, so even a local-name group
-        # can be destroyed (nothing will make it again).
-        _teardown.created_group(group)
+        # can be destroyed (nothing will make it again); release_groups() keeps it.
+        _teardown.created_group(group, rank_named=not whole_world)
         return group, whole_world
 
     def host_channel(self) -> CommBackend | None:

@@ -12,6 +12,14 @@ Note:
     fails reports every failing rank's traceback; a case that hangs past its timeout
     gets its ranks' stacks dumped and the group torn down, so the next case starts on a
     fresh group.
+
+    After each case that passed, the ranks release the process groups zero3 created
+    during it (:func:`zero3.comm.release_groups`), in a second round once every rank has
+    replied: every live gloo group keeps threads that wake up while idle, and a session's
+    worth of duplicates and host channels made the idle workers take CPU from the tests
+    that launch processes of their own. The second round gives the ordering the call
+    asks for: no rank releases a group a peer is still using or connecting to, and no
+    rank starts the next case (making groups again) before every rank has released.
 """
 
 from __future__ import annotations
@@ -41,6 +49,17 @@ __all__ = ["CaseError", "GroupPool", "RankExited", "WorkerGroup"]
 #: Grace period for the other ranks once one rank has failed (they are often blocked in
 #: a collective the failed rank will never join).
 _FAIL_GRACE_S = 5.0
+
+#: The message that asks a worker to release zero3's groups (cases are sent as bytes).
+_RELEASE = "release"
+#: How long a rank waits for collectives a passing case issued and nobody waited for,
+#: before it leaves their group for a later release (a peer that never issued one keeps
+#: it running until the group's timeout; that must not cost every case this long).
+_RELEASE_WAIT_S = 2.0
+#: How long the ranks get to release. The wait above is bounded; destroying a group can
+#: still block until its timeout when a collective zero3 cannot see (one issued through
+#: torch.distributed directly) is running, and a release that outlasts this is reported.
+_RELEASE_TIMEOUT_S = 90.0
 
 
 class CaseError(AssertionError):
@@ -80,6 +99,18 @@ def _reset_process_state(environ: dict[str, str]) -> None:
     warnings.resetwarnings()
 
 
+def _release_zero3_groups() -> int:
+    """Release what zero3 created during the case; the number of groups left.
+
+    Not imported unless a case did: a case that never imported zero3.comm created none.
+    """
+    if "zero3.comm" not in sys.modules:
+        return 0
+    from zero3.comm import release_groups
+
+    return release_groups(wait_s=_RELEASE_WAIT_S)
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -113,6 +144,12 @@ def _worker_main(
                 break
             if message is None:
                 break
+            if message == _RELEASE:
+                try:
+                    conn.send(("ok", cloudpickle.dumps(_release_zero3_groups())))
+                except BaseException:
+                    conn.send(("err", traceback.format_exc()))
+                continue
             try:
                 fn, args, kwargs = cloudpickle.loads(message)
                 result = fn(*args, **kwargs)
@@ -219,9 +256,47 @@ class WorkerGroup:
             self.close()
         if errors or (exited and not allow_rank_exit):
             raise CaseError(self._report(errors, exited, {}))
+        if not exited:  # otherwise the group was closed above: nothing is left to release
+            self._release()
         return [
             results[r] if r in results else RankExited(r, exited[r]) for r in range(self.world_size)
         ]
+
+    def _release(self) -> None:
+        """Every rank releases the groups zero3 created (see the module note).
+
+        Raises:
+            CaseError: A rank failed to release, or took longer than the bound (its
+                stack is in the message); the group is torn down either way.
+        """
+        for conn in self._conns:
+            conn.send(_RELEASE)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        exited: dict[int, int | None] = {}
+        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+        while len(results) + len(errors) + len(exited) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                stuck = [
+                    r
+                    for r in range(self.world_size)
+                    if r not in results and r not in errors and r not in exited
+                ]
+                stacks = self._dump_stacks(stuck)
+                self.close()
+                raise CaseError(
+                    f"releasing zero3's process groups after the case took over "
+                    f"{_RELEASE_TIMEOUT_S:.0f} s on ranks {stuck}\n"
+                    + self._report(errors, exited, stacks)
+                )
+            self._collect(results, errors, exited, min(0.2, deadline - now))
+        if errors or exited:
+            self.close()
+            raise CaseError(
+                "releasing zero3's process groups after the case failed\n"
+                + self._report(errors, exited, {})
+            )
 
     def _collect(
         self,
