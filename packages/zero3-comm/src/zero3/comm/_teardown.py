@@ -232,8 +232,8 @@ def release_groups(wait_s: float = EXIT_WAIT_S) -> int:
             its group: the call never waits longer than this for one it can see.
 
     Returns:
-        How many of the groups zero3 created are still alive (0: all released), not
-        counting the default group.
+        int: How many of the groups zero3 created are still alive (zero when all were
+        released), not counting the default group.
 
     Note:
         A collective issued on a zero3 group directly through ``torch.distributed`` is
