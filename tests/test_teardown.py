@@ -54,8 +54,8 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def gloo_workers() -> list[str]:
-    """Names of this process's gloo worker threads (one pair per live gloo group)."""
+def thread_names() -> list[str]:
+    """Names of this process's threads (Linux: /proc/self/task)."""
     names = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -63,7 +63,12 @@ def gloo_workers() -> list[str]:
                 names.append(f.read().strip())
         except OSError:  # the thread ended meanwhile
             pass
-    return [n for n in names if n.startswith("pt_gloo")]
+    return names
+
+
+def gloo_workers() -> list[str]:
+    """Names of this process's gloo worker threads (one pair per live gloo group)."""
+    return [n for n in thread_names() if n.startswith("pt_gloo")]
 
 
 @pytest.mark.timeout(900)
@@ -218,14 +223,7 @@ def gloo_threads() -> list[str]:
     """Names of this process's gloo threads: per live gloo group, two workers and the
     transport's loop (the thread that wakes up while the group is idle).
     """
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
-    return sorted(n for n in names if n.startswith(("pt_gloo", "gloo_tcp")))
+    return sorted(n for n in thread_names() if n.startswith(("pt_gloo", "gloo_tcp")))
 
 
 def _wait_for_threads(count: int) -> list[str]:
