@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench.workload import Workload, batch, build
 
-from zero3.core import ParamStatus, Zero3Config, local_grad, sharded_param, sharded_state
+from zero3.core import Zero3Config, local_grad
+from zero3.core.engine import ParamStatus, sharded_param, sharded_state
 from zero3.hooks import shard_module
 from zero3.testing.models import TinyGPT
 from zero3.testing.recording import RecordingBackend

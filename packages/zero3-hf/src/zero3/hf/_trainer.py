@@ -43,7 +43,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 from transformers.training_args import ParallelMode
 
-from zero3.core import Zero3Config, checkpoint_group, raise_on_every_rank, try_sharded_state
+from zero3.core import Zero3Config
+from zero3.core.engine import checkpoint_group, raise_on_every_rank, try_sharded_state
 from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, scheduler_text, zero3_dir
 from zero3.hf._config import (
     Zero3ConfigLike,

@@ -10,7 +10,8 @@ Installing zero3-comm, zero3-core and zero3-hooks is enough for sharded inferenc
         logits = model(tokens)
 """
 
-from zero3.core import LoadResult, empty_init, full_state_dict, load_full_state_dict
+from zero3.core import LoadResult
+from zero3.core.engine import empty_init, full_state_dict, load_full_state_dict
 from zero3.hooks._shard import (
     ShardedModule,
     memory_stats,

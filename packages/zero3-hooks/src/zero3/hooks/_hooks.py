@@ -1,25 +1,18 @@
-"""The hooks of one sharded model: the four per module, grad hooks, the epilogue.
+"""The hooks of one sharded model: the four per module and the gradient hooks.
 
-Note (end of backward without a user call):
-    The epilogue (flush gradient buckets, exchange got-gradient flags, release every
-    parameter, freeze the trace) is queued on the autograd engine as a final callback
-    of the graph task that is running when the first hook of a backward fires.
-    Reentrant activation checkpointing runs an inner backward (a nested graph task)
-    whose final callbacks run when *it* ends, mid-way through the outer backward
-    (torch 2.13: a callback queued inside the region runs before the outer backward
-    reaches the region's inputs; docs/facts.rst). So a callback is queued per graph
-    task, and only the last one to run — the outermost task, queued first — runs the
-    epilogue.
+Each hook hands its event to the model's training step
+(:class:`~zero3.core.engine.TrainingStep`), which owns the step's state; the hooks put
+the backward listeners into the graph, refuse what zero3 cannot run (double backward,
+``torch.compile``) and notice parameters a module reads without owning them.
 
-Note (counts):
-    A module's pre-backward count goes up once per forward call whose outputs require
-    grad with grad enabled (never inside ``Function.apply``, which runs its forward
-    under no_grad (docs/facts.rst), and never for eval forwards), and is reset by the
-    epilogue so outputs left out of the loss leak nothing. A module's post-backward
-    release waits until every backward pass that entered it (counted when its
-    pre-backward fires) has reached its inputs: a module run three times gathers and
-    releases three times in backward, and a checkpoint recomputation — whose nodes never
-    run backward — cannot hold a release back.
+Note (backward hooks in the graph):
+    ``register_full_backward_hook`` fires unreliably with several outputs, in-place
+    ops or inputs that need no gradient, so zero3 welds its backward hooks into the
+    graph as identity Functions: one on a module's outputs, whose backward runs before
+    any of the module's own backward ops (pre-backward: gather), and one on its inputs,
+    whose backward runs after all of them (post-backward: release). The outputs are
+    detached aliases of the inputs, not views, so downstream in-place ops behave
+    exactly as they would without zero3.
 
 Note (external parameters):
     Each module's ``_parameters`` dict is replaced by a :class:`ParamAccessDict` that
@@ -27,43 +20,31 @@ Note (external parameters):
     runs (a parent using a child's weight) registers the parameter as external to the
     running module and gathers it at once; from then on it is gathered together with
     that module, in forward and backward. Parameters a module returns in its output
-    ("dangling": a bias a child hands its caller to add) become external to the
-    caller the same way.
-
-    Cost, measured by ``tools/measure_tricks.py`` (torch 2.13, CPU, four runs): the
-    dict adds 0.23-0.62 us to a ``self.weight`` read that costs 0.9-1.7 us with a plain
-    dict, and the benchmark GPT (``tools/_bench/workload.py``) reads 102 parameters per
-    forward+backward: 24-63 us of a ~4 s forward+backward, under 0.002%.
-
-    Alternative considered: notice outside reads only through the released-parameter
-    guard (``zero3.core``'s ``ReleasedParameter``), gathering on first touch instead of
-    raising. A guard sees a read only when the parameter happens to be released at that
-    moment, which depends on the schedule, not on the code. On the first step (the
-    trace records; modules release on exit) ``ParentUsesChildWeight``'s read is seen.
-    A read that first happens on a later step finds its parameter whole and is missed
-    when it was kept by the reuse window (read after its owner ran), prefetched (read
-    before its owner runs) or held by a running parent (a child reads its parent's
-    weight). A missed parameter is not gathered for the reader's backward: for the
-    prefetched case the measured backward raised torch's "setStorage ... out of
-    bounds" (``F.linear``) or killed the process with SIGSEGV (an elementwise use).
-    The dict sees every read, whatever the schedule.
+    ("dangling": a bias a child hands its caller to add) become external to the caller
+    the same way. Why a dict that sees every read, what it costs and the alternative
+    that misses reads: docs/facts.rst, "Tricks on user objects, measured".
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.autograd.variable import Variable
 from torch.utils.hooks import RemovableHandle
 
-from zero3.core import ShardedModelState, ShardedParam, sharded_param
-from zero3.hooks._functions import PostBackward, PreBackward
+from zero3.core.engine import ShardedModelState, ShardedParam, in_backward, sharded_param
 from zero3.hooks._tree import iter_tensors, map_tensors
 
-__all__ = ["ModelHooks", "ParamAccessDict"]
+__all__ = [
+    "BackwardListener",
+    "ListenedIdentity",
+    "ModelHooks",
+    "ParamAccessDict",
+    "PostBackward",
+    "PreBackward",
+]
 
 
 _DOUBLE_BACKWARD_REFUSED = (
@@ -81,8 +62,44 @@ _COMPILE_REFUSED = (
 )
 
 
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
+class BackwardListener(Protocol):
+    """What the Functions call back into (the hooks of one sharded model)."""
+
+    def pre_backward(self, module_index: int) -> None:
+        """Gradients reached the module's outputs."""
+
+    def post_backward(self, module_index: int) -> None:
+        """Gradients reached the module's inputs."""
+
+
+class ListenedIdentity(torch.autograd.Function):
+    """Identity on some tensors whose backward tells a listener about a module."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, listener: BackwardListener, module_index: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.listener = listener
+        ctx.module_index = module_index
+        return tuple(t.detach() for t in tensors)
+
+
+class PreBackward(ListenedIdentity):
+    """Identity on a module's outputs; its backward gathers the module's parameters."""
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.listener.pre_backward(ctx.module_index)
+        return (None, None, *grads)
+
+
+class PostBackward(ListenedIdentity):
+    """Identity on a module's inputs; its backward releases the module's parameters."""
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.listener.post_backward(ctx.module_index)
+        return (None, None, *grads)
 
 
 class ParamAccessDict(dict):  # type: ignore[type-arg]
@@ -101,7 +118,7 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
 
     def __getitem__(self, key: str) -> Any:
         value = dict.__getitem__(self, key)
-        if self.hooks.stack and value is not None:
+        if value is not None and self.hooks.step.running() is not None:
             self.hooks.on_param_read(self.module_index, value)
         return value
 
@@ -116,14 +133,11 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
 
 
 class ModelHooks:
-    """Installs and runs every hook of one sharded model."""
+    """Installs the hooks of one sharded model and hands their events to its step."""
 
     def __init__(self, state: ShardedModelState) -> None:
         self.state = state
-        self.stack: list[int] = []  # indices of modules whose forward is running
-        self.pre_counts: dict[int, int] = {}
-        self.in_backward_passes: dict[int, int] = {}
-        self._queued_tasks: list[int] = []
+        self.step = state.step
         self._handles: list[RemovableHandle] = []
         self._access_dicts: list[tuple[nn.Module, ParamAccessDict]] = []
         self._owned: dict[int, frozenset[int]] = {}
@@ -157,9 +171,8 @@ class ModelHooks:
         if sp.index in self._grad_hooked:
             return
         self._grad_hooked.add(sp.index)
-        self._handles.append(
-            sp.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, sp))
-        )
+        on_grad = functools.partial(self._on_grad, sp)
+        self._handles.append(sp.param.register_post_accumulate_grad_hook(on_grad))
 
     def remove(self) -> None:
         """Remove every hook and restore the modules' parameter dicts."""
@@ -179,34 +192,16 @@ class ModelHooks:
     def _pre_forward(
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if index == 0 and self.stack and not _in_backward():
-            self._unwind()  # a previous forward raised: its modules never exited
-        if not self.stack and not _in_backward():
-            self._start_forward()
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_REFUSED)
+        if self.step.running() is None and not in_backward():
+            self._span_starts.clear()  # spans a raising forward or backward left open
         self._span_begin("fwd", index)
-        self.state.fetch(module, forward=not _in_backward())
-        self.stack.append(index)
+        for sp in self.step.enter_forward(index):
+            self._hook_grad(sp)  # unfrozen since the last step (progressive unfreezing)
         if not torch.is_grad_enabled():
             return None
         return self._wrap(PostBackward, index, (args, kwargs))  # type: ignore[no-any-return]
-
-    def _unwind(self) -> None:
-        for stale in reversed(self.stack):
-            self.state.release(self.state.modules[stale][1])
-        self.stack.clear()
-
-    def _start_forward(self) -> None:
-        """The outermost forward begins: open a step unless one awaits its backward.
-
-        A training forward also picks up parameters unfrozen since the last step
-        (progressive unfreezing): their gradients are reduced from now on.
-        """
-        if torch.compiler.is_compiling():
-            raise RuntimeError(_COMPILE_REFUSED)
-        if torch.is_grad_enabled():
-            for sp in self.state.refresh_trainable():
-                self._hook_grad(sp)
-        self.state.begin_forward()
 
     def _post_forward(
         self,
@@ -216,22 +211,15 @@ class ModelHooks:
         kwargs: dict[str, Any],
         output: Any,
     ) -> Any:
-        if not self.stack or self.stack[-1] != index:
+        if self.step.running() != index:
             return None  # the forward raised before our pre-hook ran
-        self._adopt_dangling(index, output)
-        self.state.release(module)
-        self.stack.pop()
+        self._adopt_dangling(output)
+        wants_backward = torch.is_grad_enabled() and any(
+            t.requires_grad for t in iter_tensors(output)
+        )
+        self.step.exit_forward(index, backward_follows=wants_backward)
         self._span_end("fwd", index)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors(output)):
-            self.pre_counts[index] = self.pre_counts.get(index, 0) + 1
-            output = self._wrap(PreBackward, index, output)
-        if not self.stack and not _in_backward():
-            self._end_forward()
-        return output
-
-    def _end_forward(self) -> None:
-        """The outermost forward ended: end the step if no backward will follow."""
-        self.state.end_forward(backward_pending=any(self.pre_counts.values()))
+        return self._wrap(PreBackward, index, output) if wants_backward else output
 
     def _wrap(self, fn: type[torch.autograd.Function], index: int, obj: Any) -> Any:
         tensors = [t for t in iter_tensors(obj) if t.requires_grad]
@@ -241,15 +229,15 @@ class ModelHooks:
         replacement = {id(t): o for t, o in zip(tensors, outs, strict=True)}
         return map_tensors(obj, lambda t: replacement.get(id(t), t))
 
-    def _adopt_dangling(self, index: int, output: Any) -> None:
+    def _adopt_dangling(self, output: Any) -> None:
         """Sharded parameters returned in ``output`` stay whole for the caller."""
         for tensor in iter_tensors(output):
             sp = sharded_param(tensor) if isinstance(tensor, nn.Parameter) else None
             if sp is None or sp.persistent:
                 continue
-            caller = self.stack[-2] if len(self.stack) > 1 else None
+            caller = self.step.caller()
             if caller is None:
-                self.state.hold_for_step(sp)  # the root returned it
+                self.step.hold_for_step(sp)  # the root returned it
             else:
                 self._use_external(caller, sp)
 
@@ -257,8 +245,8 @@ class ModelHooks:
 
     def on_param_read(self, owner_index: int, param: Any) -> None:
         """A parameter was read while some module's forward runs."""
-        running = self.stack[-1]
-        if running == owner_index:
+        running = self.step.running()
+        if running is None or running == owner_index:
             return
         sp = sharded_param(param)
         if sp is None or sp.persistent:
@@ -273,7 +261,7 @@ class ModelHooks:
     def _use_external(self, module_index: int, sp: ShardedParam) -> None:
         self._owned.pop(module_index, None)
         # Held under the running module: its release (which now includes sp) drops it.
-        self.state.use_external(module_index, sp, forward=not _in_backward())
+        self.step.use_external(module_index, sp)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -281,45 +269,18 @@ class ModelHooks:
         """Gradients reached the module's outputs: gather its parameters."""
         if torch.is_grad_enabled():  # backward runs with grad enabled only for create_graph
             raise RuntimeError(_DOUBLE_BACKWARD_REFUSED)
-        self._queue_epilogue()
-        count = self.pre_counts.get(module_index, 0)
-        if count > 0:
-            self.pre_counts[module_index] = count - 1
-        self.in_backward_passes[module_index] = self.in_backward_passes.get(module_index, 0) + 1
         self._span_begin("bwd", module_index)
-        module = self.state.modules[module_index][1]
-        self.state.fetch(module, forward=False)
+        self.step.pre_backward(module_index)
 
     def post_backward(self, module_index: int) -> None:
         """Gradients reached the module's inputs: release once every pass is done."""
-        self._queue_epilogue()
-        remaining = self.in_backward_passes.get(module_index, 0) - 1
-        if remaining > 0:
-            self.in_backward_passes[module_index] = remaining
-            return
-        self.in_backward_passes.pop(module_index, None)
-        self.state.backward_done(module_index)
-        self._span_end("bwd", module_index)
+        if self.step.post_backward(module_index):
+            self._span_end("bwd", module_index)
 
     def _on_grad(self, sp: ShardedParam, param: torch.Tensor) -> None:
-        self._queue_epilogue()
-        grad = param.grad
-        if grad is not None:
-            param.grad = None
-            self.state.on_grad(sp, grad)
+        self.step.on_grad(sp)
 
-    def _queue_epilogue(self) -> None:
-        task = int(torch._C._current_graph_task_id())
-        if task == -1 or task in self._queued_tasks:
-            return
-        self._queued_tasks.append(task)
-        Variable._execution_engine.queue_callback(functools.partial(self._task_done, task))
-
-    def _task_done(self, task: int) -> None:
-        self._queued_tasks.remove(task)
-        if self._queued_tasks:
-            return  # an inner (reentrant checkpoint) backward ended; the outer goes on
-        self.epilogue()
+    # -- trace spans ----------------------------------------------------------------------------
 
     def _span_begin(self, phase: str, index: int) -> None:
         tracer = self.state.tracer
@@ -337,21 +298,6 @@ class ModelHooks:
                 starts.pop(),
                 tracer.now_us(),
             )
-
-    def epilogue(self) -> None:
-        """End of backward: reduce what is left, release everything, end the step."""
-        tracer = self.state.tracer
-        start = tracer.now_us() if tracer is not None else 0.0
-        self._epilogue()
-        if tracer is not None:
-            tracer.complete("epilogue", "backward", start, tracer.now_us())
-        self._span_starts.clear()
-
-    def _epilogue(self) -> None:
-        self.state.end_backward()
-        self.pre_counts.clear()
-        self.in_backward_passes.clear()
-        self.stack.clear()
 
 
 def install_hooks(state: ShardedModelState) -> ModelHooks:

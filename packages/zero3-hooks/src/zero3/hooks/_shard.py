@@ -12,19 +12,16 @@ import torch
 from torch import nn
 
 from zero3.comm import CommBackend, create_backend
-from zero3.core import (
+from zero3.core import MemoryStats, StepStats, WeightSource, Zero3Config
+from zero3.core import memory_stats as _core_memory_stats
+from zero3.core.engine import (
     LeafTarget,
-    MemoryStats,
     ShardedModelState,
-    StepStats,
-    WeightSource,
-    Zero3Config,
     mark_leaf,
     match_leaf_modules,
     sharded_state,
     try_sharded_state,
 )
-from zero3.core import memory_stats as _core_memory_stats
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
@@ -71,7 +68,7 @@ class ShardedModule:
         super().zero_grad(set_to_none)  # type: ignore[misc]
         state = try_sharded_state(self)  # type: ignore[arg-type]
         if state is not None:
-            state.end_window()
+            state.step.end_window()
 
     def to(self, *args: Any, **kwargs: Any) -> ShardedModule:
         """``nn.Module.to`` for a sharded module: casts the parameter shards to a
@@ -83,7 +80,7 @@ class ShardedModule:
         naming both. A cast is collective (every rank casts); after a
         ``PartitionedOptimizer`` exists the parameters' dtype is fixed (its fp32
         masters follow it) and a cast is an error saying to cast first. See
-        :meth:`zero3.core.ShardedModelState.convert`.
+        :meth:`zero3.core.engine.ShardedModelState.convert`.
         """
         state = try_sharded_state(self)  # type: ignore[arg-type]
         if state is None:  # unsharded while this class was still in place

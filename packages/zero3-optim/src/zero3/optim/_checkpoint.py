@@ -55,12 +55,16 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zero3.core import (
-    CHECKPOINT_FORMAT_VERSION,
-    CHECKPOINT_LAYOUT,
     CheckpointError,
-    CheckpointLoadPlanner,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    sharded_state_dict,
+)
+from zero3.core import load_sharded_state_dict as load_model_state
+from zero3.core.engine import (
+    CHECKPOINT_FORMAT_VERSION,
+    CHECKPOINT_LAYOUT,
+    CheckpointLoadPlanner,
     CheckpointReader,
     CheckpointStorageWriter,
     checkpoint_group,
@@ -68,9 +72,7 @@ from zero3.core import (
     raise_on_every_rank,
     sharded_param,
     sharded_state,
-    sharded_state_dict,
 )
-from zero3.core import load_sharded_state_dict as load_model_state
 from zero3.optim._optim_checkpoint import load_template
 from zero3.optim._optimizer import PartitionedOptimizer
 
@@ -222,7 +224,7 @@ def load_checkpoint(
                     f"no optimizer state in checkpoint {target}: it was saved without "
                     "optimizer=; load it with optimizer=None (weights only)"
                 )
-            template[_L.optim] = load_template(optimizer, reader)
+            template[_L.optim] = load_template(optimizer._parts(), reader)
     except CheckpointError as exc:
         error = exc
     raise_on_every_rank(group, error)
@@ -540,7 +542,7 @@ def _log_failure(future: Future[Path]) -> None:
 @contextlib.contextmanager
 def _failures(what: str, target: Path) -> Any:
     """DCP's ``CheckpointException`` (a ``BaseException`` listing ranks and tracebacks)
-    and torch.distributed errors become one :class:`CheckpointError` on every rank.
+    and torch.distributed errors become one :class:`~zero3.core.CheckpointError` on every rank.
     """
     try:
         yield

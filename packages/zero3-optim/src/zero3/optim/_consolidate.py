@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from zero3.core import CHECKPOINT_LAYOUT, CheckpointError, CheckpointReader
+from zero3.core import CheckpointError
+from zero3.core.engine import CHECKPOINT_LAYOUT, CheckpointReader
 
 __all__ = ["consolidate_checkpoint", "main"]
 
