@@ -45,6 +45,7 @@ from zero3.core.config._deepspeed_keys import (
     dtype_name,
     mapping,
     no_unknown,
+    same_setting_twice,
 )
 
 __all__ = ["fields_from_deepspeed"]
@@ -84,6 +85,14 @@ def _read(reading: _Reading, prefix: str, section: Mapping[str, Any],
           table: Mapping[str, Key]) -> dict[str, Any]:  # fmt: skip
     """Check every key of a section against its table; returns the normalized values."""
     no_unknown(prefix.rstrip("."), section, table)
+    twice = same_setting_twice(section, table)
+    if twice:
+        given = ", ".join(f"{prefix}{name}={section[name]!r}" for name in twice)
+        raise ValueError(
+            f"the DeepSpeed config gives one setting under {len(twice)} names with different "
+            f"values ({given}); they are spellings of the same key (DeepSpeed would keep one "
+            "of them without a word): keep one"
+        )
     values: dict[str, Any] = {}
     for key, raw in section.items():
         spec, label = table[key], prefix + key

@@ -156,6 +156,9 @@ class Key:
         active: Whether a value asks for something (else it is honoured as is).
         about: The field a resolved ``"auto"`` decides when it is not :attr:`field`
             (its log line is dropped when a keyword argument sets that field).
+        spellings: The names DeepSpeed reads this one setting under (``stage3_`` and
+            plain, old names), when it has several: given twice with different values
+            it is an error naming both (DeepSpeed would keep one of them silently).
     """
 
     check: Callable[[str, Any], Any]
@@ -167,6 +170,7 @@ class Key:
     refuse: str = ""
     active: Callable[[Any], bool] = _on
     about: str | None = None
+    spellings: tuple[str, ...] = ()
 
 
 _NO_OFFLOAD = (
@@ -249,27 +253,46 @@ def _leaf_module(label: str, value: Any) -> tuple[LeafTarget, ...]:
 
 
 def _k(*names: str, **spec: Any) -> dict[str, Key]:
+    """Several keys read the same way (each its own setting)."""
     key = Key(**spec)
     return dict.fromkeys(names, key)
 
 
+def _aka(*names: str, **spec: Any) -> dict[str, Key]:
+    """One setting under several names (``stage3_prefetch_bucket_size`` and
+    ``prefetch_bucket_size``): see :attr:`Key.spellings`.
+    """
+    key = Key(**spec, spellings=names)
+    return dict.fromkeys(names, key)
+
+
+def same_setting_twice(section: Mapping[str, Any], table: Mapping[str, Key]) -> list[str]:
+    """The names under which ``section`` gives one setting different values."""
+    for key in section:
+        spellings = table[key].spellings if key in table else ()
+        given = [name for name in spellings if name in section]
+        if len(given) > 1 and any(section[n] != section[given[0]] for n in given[1:]):
+            return given
+    return []
+
+
 ZERO: dict[str, Key] = {
     **_k("stage", check=_stage, default=0, active=_always),
-    **_k(
+    **_aka(
         "stage3_prefetch_bucket_size", "prefetch_bucket_size",
         check=_ints(0), field="prefetch_bucket_size", default=50_000_000,
         auto="the HF Trainer would use 0.9 * hidden_size**2 of the model",
     ),
-    **_k(
+    **_aka(
         "stage3_param_persistence_threshold", "param_persistence_threshold",
         check=_ints(0), field="param_persistence_threshold", default=100_000,
         auto="the HF Trainer would use 10 * hidden_size of the model",
     ),
-    **_k(
+    **_aka(
         "stage3_max_live_parameters", "max_live_parameters",
         check=_ints(0), field="max_live_parameters", default=1_000_000_000,
     ),
-    **_k(
+    **_aka(
         "stage3_max_reuse_distance", "max_reuse_distance",
         check=_ints(0), field="max_reuse_distance", default=1_000_000_000,
     ),
@@ -296,25 +319,29 @@ ZERO: dict[str, Key] = {
         "load_from_fp32_weights", check=check_bool, default=True, active=lambda v: v is False,
         todo="zero3's optimizer checkpoints always restore the fp32 masters themselves",
     ),
-    **_k(
+    **_aka(
         "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save",
         check=check_bool, default=False, todo=_SAVE_16BIT,
     ),
-    **_k(
+    **_aka(
         "stage3_model_persistence_threshold", "model_persistence_threshold",
         check=_ints(0), default=sys.maxsize, active=lambda v: v < sys.maxsize,
         todo="zero3 puts no total cap on persistent parameters: lower "
         "stage3_param_persistence_threshold to keep fewer of them whole",
     ),
-    **_k(
+    **_aka(
         "stage3_module_granularity_threshold", "module_granularity_threshold",
         check=_ints(0), default=0,
         todo="mark fine-grained modules as leaves instead (leaf_module / "
         "Zero3Config.leaf_modules): each is then gathered in one collective",
     ),
-    **_k(
+    **_aka(
         "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+        check=check_bool, default=False,
+        todo="zero3 gathers parameters with its own bucketed all-gathers (same values)",
+    ),
+    **_aka(
         "stage3_allgather_sequential", "allgather_sequential",
         check=check_bool, default=False,
         todo="zero3 gathers parameters with its own bucketed all-gathers (same values)",
