@@ -96,3 +96,23 @@ def test_leaf_modules_hold_classes_names_and_module_paths():
         ModulePath("")
     with pytest.raises(TypeError, match=r"ModulePath\.suffix must be a bool"):
         ModulePath("a", suffix="yes")  # type: ignore[arg-type]
+
+
+def test_a_config_pickles_and_deep_copies_with_its_extras():
+    import copy
+    import pickle
+
+    config = Zero3Config.from_deepspeed(
+        {
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+            "gradient_clipping": 0,
+            "train_batch_size": 8,
+        },
+        leaf_modules=("Linear",),
+    )
+    for twin in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config), copy.copy(config)):
+        assert twin == config
+        assert dict(twin.extras) == {"zero_optimization.offload_param": {"device": "cpu"},
+                                     "train_batch_size": 8}  # fmt: skip
+        with pytest.raises(TypeError):
+            twin.extras["x"] = 1  # type: ignore[index]  # still read-only

@@ -183,6 +183,13 @@ class Zero3Config:
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
 
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        # The read-only extras (a MappingProxyType) cannot be pickled or deep-copied
+        # as they are: rebuild from the fields, which checks them again.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["extras"] = dict(self.extras)
+        return _rebuild, (fields,)
+
     # -- DeepSpeed ------------------------------------------------------------------
 
     @classmethod
@@ -224,6 +231,11 @@ class Zero3Config:
         fields = fields_from_deepspeed(config, overrides=overrides.keys())
         fields.update(overrides)
         return cls(**fields)
+
+
+def _rebuild(fields: dict[str, Any]) -> Zero3Config:
+    """A pickled or deep-copied :class:`Zero3Config` back (see ``__reduce__``)."""
+    return Zero3Config(**fields)
 
 
 def _load_json(path: Path) -> Any:
