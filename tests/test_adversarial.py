@@ -466,3 +466,34 @@ def test_a_deepspeed_key_under_two_spellings_with_different_values_is_refused():
         )
     same = config(stage3_max_live_parameters=7, max_live_parameters=7)
     assert Zero3Config.from_deepspeed(same).max_live_parameters == 7  # one value: fine
+
+
+def _tied_file(path: str) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from zero3.hooks import empty_init
+    from zero3.testing.models import TinyGPT
+
+    comm = GlooBackend(timeout_s=20)
+    torch.manual_seed(0)
+    stored = {k: v.clone() for k, v in TinyGPT(dim=8, layers=1).state_dict().items()}
+    stored["lm_head.weight"] = torch.randn_like(stored["wte.weight"])  # differs from wte's
+    file = f"{path}/tied-{comm.rank}.safetensors"
+    save_file(stored, file)
+    reference = TinyGPT(dim=8, layers=1)
+    reference.load_state_dict(stored, strict=True)  # what torch keeps of the two values
+    with empty_init():
+        model = TinyGPT(dim=8, layers=1)
+    config = Zero3Config(param_persistence_threshold=0, timeout_s=20)
+    shard_module(model, config, comm=comm, checkpoint=file)
+    x = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        diff = float((model(x) - reference(x)).abs().max())
+    gathers = stats(model).gathers
+    return {"params": _max_param_diff(model, reference), "out": diff, "gathers": gathers}
+
+
+def test_a_tied_weight_stored_under_both_names_loads_what_torch_loads(worker_pool, tmp_path):
+    for result in worker_pool(2).run(_tied_file, str(tmp_path)):
+        assert result["params"] == 0.0 and result["out"] == 0.0, result
+        assert result["gathers"] > 0, result

@@ -177,7 +177,8 @@ def shard_module(
 
     - With ``checkpoint``, every parameter (and persistent buffer) is read from it,
       each rank reading only the elements of its own shard. Keys are the unsharded
-      model's ``state_dict()`` keys (tied weights need one of their names); missing,
+      model's ``state_dict()`` keys (tied weights need one of their names; stored under
+      several, the last in ``state_dict()`` order wins, as in ``load_state_dict``); missing,
       unexpected and mis-shaped keys are reported together in one error, on every rank,
       before anything is changed. Tensors are cast to the parameter's dtype.
     - Without it, each module's meta parameters are initialised by

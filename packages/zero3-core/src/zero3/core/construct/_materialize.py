@@ -455,7 +455,9 @@ class Materializer:
                 stored = tuple(entries[key][0])
                 if stored != shape:
                     shapes.append(f"'{key}': checkpoint {stored}, model {shape}")
-            item.key = present[0]
+            # A tied tensor stored under several of its names: torch's strict
+            # load_state_dict copies each in module order, so the last name's value wins.
+            item.key = present[-1]
         unexpected = sorted(f"'{k}'" for k in set(entries) - expected)
         if not (missing or unexpected or shapes):
             return []
