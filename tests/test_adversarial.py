@@ -497,3 +497,17 @@ def test_a_tied_weight_stored_under_both_names_loads_what_torch_loads(worker_poo
     for result in worker_pool(2).run(_tied_file, str(tmp_path)):
         assert result["params"] == 0.0 and result["out"] == 0.0, result
         assert result["gathers"] > 0, result
+
+
+def _eager_differ(seed_per_rank: bool) -> str:
+    comm = GlooBackend(timeout_s=20)
+    model = _mlp(seed=comm.rank if seed_per_rank else 0)
+    config = Zero3Config(param_persistence_threshold=0, sync_module_states=False, timeout_s=20)
+    return _error_text(lambda: shard_module(model, config, comm=comm))
+
+
+def test_eager_parameters_that_differ_per_rank_are_refused_without_sync(worker_pool):
+    for text in worker_pool(2).run(_eager_differ, True):
+        assert text.startswith("ValueError: zero3: the ranks' parameters differ"), text
+        assert "'0.weight'" in text and "'4.bias'" in text and "sync_module_states" in text
+    assert worker_pool(2).run(_eager_differ, False) == ["no error"] * 2

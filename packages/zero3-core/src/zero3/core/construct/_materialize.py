@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ from zero3.core.construct._sources import WeightSource, open_weight_source
 from zero3.core.params._broadcast import broadcast_from_rank0
 from zero3.core.params._params import METADATA_OPS, dress_released
 
-__all__ = ["Materializer", "own_storage"]
+__all__ = ["Materializer", "check_eager_agree", "own_storage"]
 
 _log = logging.getLogger("zero3.core")
 
@@ -700,13 +700,8 @@ class Materializer:
         """With ``sync_module_states=False``: every rank must have initialised the same
         values (one all-gather of two integers per parameter).
         """
-        world = self.comm.world_size
-        mine = torch.tensor([list(s) for _, s in self._sums], dtype=torch.int64)
-        every = torch.empty((world, *mine.shape), dtype=torch.int64, device=self.device)
-        self.comm.all_gather(every, mine.to(self.device)).wait()
-        every = every.cpu()
-        differ = (every != every[0]).any(dim=2).any(dim=0)
-        bad = [f"'{t.name}'" for (t, _), d in zip(self._sums, differ.tolist(), strict=True) if d]
+        differ = differing_across_ranks(self.comm, [s for _, s in self._sums])
+        bad = [f"'{t.name}'" for (t, _), d in zip(self._sums, differ, strict=True) if d]
         if bad:
             raise ValueError(
                 "zero3: ranks initialised meta parameters differently and "
@@ -715,3 +710,39 @@ class Materializer:
                 + "\n    Seed every rank the same way before building the model, or leave "
                 "sync_module_states=True (rank 0's values are broadcast)."
             )
+
+
+def differing_across_ranks(comm: CommBackend, sums: list[tuple[int, int]]) -> list[bool]:
+    """Which of this rank's :func:`checksum` values differ on some rank (the same answer
+    on every rank: one all-gather of two integers per tensor).
+    """
+    device = comm.device()
+    mine = torch.tensor([list(s) for s in sums], dtype=torch.int64).reshape(len(sums), 2)
+    every = torch.empty((comm.world_size, *mine.shape), dtype=torch.int64, device=device)
+    comm.all_gather(every, mine.to(device)).wait()
+    every = every.cpu()
+    return [bool(d) for d in (every != every[0]).any(dim=2).any(dim=0).tolist()]
+
+
+def check_eager_agree(comm: CommBackend, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """With ``sync_module_states=False``, ordinary (not meta) parameters are sharded from
+    each rank's own values: they must be equal on every rank, or every full parameter
+    would be rank 0's part glued to rank 1's part and so on.
+
+    Raises:
+        ValueError: On every rank, naming the parameters that differ.
+    """
+    if comm.world_size == 1 or not named:
+        return
+    differ = differing_across_ranks(comm, [checksum(t) for _, t in named])
+    bad = [f"'{name}'" for (name, _), d in zip(named, differ, strict=True) if d]
+    if bad:
+        raise ValueError(
+            "zero3: the ranks' parameters differ and Zero3Config.sync_module_states is False, "
+            "so nothing makes them agree (each full parameter would be pieced together from "
+            "every rank's part of its own values):\n"
+            + _listing("parameters that differ between ranks", bad)
+            + "\n    Seed every rank the same way (torch.manual_seed) before building the "
+            "model, load the same weights on every rank, or leave sync_module_states=True "
+            "(rank 0's values are broadcast)."
+        )

@@ -17,6 +17,7 @@ from zero3.core.construct._materialize import (
     Checkpoint,
     Materializer,
     ParamInitFn,
+    check_eager_agree,
     own_storage,
 )
 from zero3.core.diag._guard import CollectiveGuard, Op, OpKind, waiting_for
@@ -179,7 +180,8 @@ class ShardedModelState:
             checkpoint=checkpoint,
         )
         builder.prepare()  # every check, agreed by every rank, before anything changes
-        eager = [p for i, (_, p) in enumerate(named) if i not in builder.handled]
+        eager_named = [(n, p) for i, (n, p) in enumerate(named) if i not in builder.handled]
+        eager = [p for _, p in eager_named]
         with torch.no_grad():
             for param in eager:
                 if self.config.param_dtype is not None and param.dtype != self.config.param_dtype:
@@ -189,6 +191,8 @@ class ShardedModelState:
             if self.config.sync_module_states and self.comm.world_size > 1:
                 tensors = [p.data for p in eager] + builder.eager_buffers()
                 broadcast_from_rank0(self.comm, tensors)
+            elif not self.config.sync_module_states:
+                check_eager_agree(self.comm, eager_named)
             shards = builder.run()
             return [
                 self._shard(index, name, param, shards.get(index))
