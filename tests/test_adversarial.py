@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -511,3 +512,31 @@ def test_eager_parameters_that_differ_per_rank_are_refused_without_sync(worker_p
         assert text.startswith("ValueError: zero3: the ranks' parameters differ"), text
         assert "'0.weight'" in text and "'4.bias'" in text and "sync_module_states" in text
     assert worker_pool(2).run(_eager_differ, False) == ["no error"] * 2
+
+
+def _broken_safetensors(path: str, damage: str) -> str:
+    from safetensors.torch import save_file
+
+    from zero3.hooks import empty_init
+
+    comm = GlooBackend(timeout_s=20)
+    file = f"{path}/{damage}-{comm.rank}.safetensors"
+    save_file(_mlp().state_dict(), file)
+    data = Path(file).read_bytes()  # the header's length is the first 8 bytes
+    Path(file).write_bytes(data[:-40] if damage == "truncated" else data[:6] + b"\xff" + data[7:])
+    with empty_init():
+        model = _mlp()
+    config = Zero3Config(param_persistence_threshold=0, timeout_s=20)
+    try:
+        shard_module(model, config, comm=comm, checkpoint=file)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_a_broken_safetensors_file_is_named(worker_pool, tmp_path, damage):
+    for rank, text in enumerate(worker_pool(2).run(_broken_safetensors, str(tmp_path), damage)):
+        file = f"{tmp_path}/{damage}-{rank}.safetensors"
+        assert text.startswith(f"CorruptCheckpointError: the safetensors file {file} is "), text
+        assert "Write or download it again" in text, text

@@ -18,17 +18,19 @@ Formats are opened by :func:`open_weight_source`, which tries the entries of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from zero3.core.files._boxes import flat_boxes
+from zero3.core.files._format import CorruptCheckpointError
 from zero3.core.files._reader import CheckpointReader
 
 __all__ = [
@@ -88,6 +90,25 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``; its errors (a truncated file, a broken header) name the file.
+
+    safetensors' own ``SafetensorError`` says what is wrong with the bytes but not which
+    of a checkpoint's files holds them.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError) as exc:
+        raise CorruptCheckpointError(
+            f"the safetensors file {file} is truncated or corrupted ({exc}); an "
+            "interrupted download or copy? Write or download it again"
+        ) from exc
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     file: Path
@@ -108,6 +129,7 @@ class SafetensorsSource:
     Raises:
         FileNotFoundError: A file the index names is missing.
         ValueError: The index is malformed, or a tensor has a dtype torch cannot hold.
+        zero3.core.CorruptCheckpointError: A file is truncated or its header is broken.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -136,9 +158,7 @@ class SafetensorsSource:
         return [self.path / SINGLE_FILE]
 
     def _read_header(self, file: Path) -> None:
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as handle:
+        with _opened(file) as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                 view = handle.get_slice(key)
                 stored = view.get_dtype()
@@ -165,8 +185,6 @@ class SafetensorsSource:
 
     def read_flat(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of ``key``, flattened row-major (stored dtype)."""
-        from safetensors import safe_open
-
         entry = self._entries[key]
         numel = math.prod(entry.shape)
         if not 0 <= start <= stop <= numel:
@@ -176,7 +194,7 @@ class SafetensorsSource:
             )
         if start == stop:
             return torch.empty(0, dtype=entry.dtype)
-        with safe_open(str(entry.file), framework="pt") as handle:
+        with _opened(entry.file) as handle:
             if not entry.shape:
                 scalar: torch.Tensor = handle.get_tensor(key)
                 return scalar.reshape(-1)
