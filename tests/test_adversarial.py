@@ -514,6 +514,74 @@ def test_eager_parameters_that_differ_per_rank_are_refused_without_sync(worker_p
     assert worker_pool(2).run(_eager_differ, False) == ["no error"] * 2
 
 
+def _extra_round_trip(path: str) -> dict[str, Any]:
+    from zero3.optim import load_checkpoint, save_checkpoint
+
+    comm = GlooBackend(timeout_s=20)
+    model = _mlp()
+    shard_module(model, Zero3Config(param_persistence_threshold=0, timeout_s=20), comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.1)
+    extra = {
+        "step": torch.tensor(7),  # 0-dim: the most common thing in extra
+        "loss": torch.tensor(1.5, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False]),
+        "z": torch.tensor([1 + 2j], dtype=torch.complex64),
+        "empty": torch.empty(0, 3),
+        "transposed": torch.arange(6.0).view(2, 3).t(),
+        "nested": {"a": [torch.tensor(1, dtype=torch.int8), (torch.tensor(2.0), 3)], "t": (1, 2)},
+        f"rank{comm.rank}": torch.full((2,), float(comm.rank), requires_grad=True),
+    }
+    save_checkpoint(f"{path}/ckpt", model, opt, extra=extra)
+    back = load_checkpoint(f"{path}/ckpt", model, opt)
+    return {"same": _same(extra, back), "keys": sorted(back)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape) == (b.dtype, b.shape)
+            and torch.equal(a.detach(), b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() <= b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+def test_extra_round_trips_any_tensor_shape_dtype_and_nesting(worker_pool, tmp_path):
+    for result in worker_pool(2).run(_extra_round_trip, str(tmp_path)):
+        assert result["same"], result
+        assert {"rank0", "rank1"} <= set(result["keys"]), result
+
+
+def _another_optimizer(path: str) -> str:
+    from zero3.optim import load_checkpoint, save_checkpoint
+
+    comm = GlooBackend(timeout_s=20)
+    config = Zero3Config(param_persistence_threshold=0, timeout_s=20)
+    model = shard_module(_mlp(), config, comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    save_checkpoint(f"{path}/adamw", model, opt)
+    fresh = shard_module(_mlp(), config, comm=comm)
+    sgd = PartitionedOptimizer(fresh, torch.optim.SGD, lr=0.1, momentum=0.9)
+    try:
+        load_checkpoint(f"{path}/adamw", fresh, sgd)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load(worker_pool, tmp_path):
+    for text in worker_pool(2).run(_another_optimizer, str(tmp_path)):
+        assert text.startswith("CheckpointMismatchError: checkpoint "), text
+        assert "AdamW optimizer" in text and "wraps SGD" in text, text
+        assert "load_checkpoint(path, model, None)" in text, text
+
+
 def _broken_safetensors(path: str, damage: str) -> str:
     from safetensors.torch import save_file
 

@@ -224,6 +224,7 @@ def load_checkpoint(
                     f"no optimizer state in checkpoint {target}: it was saved without "
                     "optimizer=; load it with optimizer=None (weights only)"
                 )
+            _check_optimizer_class(reader, optimizer)
             template[_L.optim] = load_template(optimizer._parts(), reader)
     except CheckpointError as exc:
         error = exc
@@ -266,6 +267,22 @@ def _check_optimizer(module: nn.Module, optimizer: PartitionedOptimizer | None) 
         )
 
 
+def _check_optimizer_class(reader: CheckpointReader, optimizer: PartitionedOptimizer) -> None:
+    """Another optimizer's state (AdamW's moments into SGD) would load without complaint
+    and fail inside torch at the next step (``KeyError: 'momentum'``), so refuse it here.
+    """
+    saved = reader.info.get("optimizer")
+    here = type(optimizer.optimizer).__name__
+    if isinstance(saved, str) and saved != here:
+        raise CheckpointMismatchError(
+            f"checkpoint {reader.path} holds the state of a {saved} optimizer, but this "
+            f"PartitionedOptimizer wraps {here}: its state and hyperparameters do not fit. "
+            f"Build PartitionedOptimizer(model, {saved}, ...) to resume that run, or load "
+            "the weights alone with load_checkpoint(path, model, None) and start the "
+            f"{here} optimizer fresh"
+        )
+
+
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -298,7 +315,8 @@ def _check_extra(value: Any, where: str) -> None:
 def _leaves(value: Any, path: str, out: dict[str, str]) -> dict[str, str]:
     """``{path: digest}`` of every leaf of ``extra`` (to compare ranks cheaply)."""
     if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        # Flat first: view() cannot reinterpret a 0-dim tensor's bytes (a step counter).
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         out[path] = f"{value.dtype}{tuple(value.shape)}:{zlib.crc32(data):08x}"
     elif isinstance(value, Mapping):
         for key, item in value.items():
