@@ -514,6 +514,52 @@ def test_eager_parameters_that_differ_per_rank_are_refused_without_sync(worker_p
     assert worker_pool(2).run(_eager_differ, False) == ["no error"] * 2
 
 
+def _plain_clipping(threshold: int) -> dict[str, Any]:
+    comm = GlooBackend(timeout_s=20)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    shard_module(model, Zero3Config(param_persistence_threshold=threshold, timeout_s=20), comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.5)
+    ropt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    before = [p.grad for p in model.parameters()]  # no backward yet: None, as in torch
+    norms, refused = [], ""
+    for step in range(3):
+        x = _batch(step, comm.world_size)
+        model(x[comm.rank * LOCAL : (comm.rank + 1) * LOCAL]).pow(2).mean().backward()
+        if step == 0:
+            refused = _error_text(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        norms.append(float(opt.clip_grad_norm_(0.05)))
+        opt.step()
+        after_step = _error_text(lambda: model[0].weight.grad)  # torch still holds it here
+        model.zero_grad()
+        reference(x).pow(2).mean().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)))
+        ropt.step()
+        ropt.zero_grad()
+    return {
+        "before": before.count(None),
+        "refused": refused,
+        "after_step": after_step,
+        "after_zero_grad": [p.grad for p in model.parameters()].count(None),
+        "norm_diff": max(abs(a - b) for a, b in zip(norms[::2], norms[1::2], strict=True)),
+        "params": _max_param_diff(model, reference),
+        "reductions": stats(model).reduce_collectives,
+    }
+
+
+@pytest.mark.parametrize("threshold", [0, 100_000])  # partitioned, and all persistent
+def test_plain_clip_grad_norm_of_a_sharded_model_fails_loudly_on_every_rank(worker_pool, threshold):
+    for result in worker_pool(2).run(_plain_clipping, threshold):
+        assert result["before"] == result["after_zero_grad"] == 6, result
+        refused = result["refused"]
+        start = "RuntimeError: zero3: parameter '0.weight' of a sharded model has no .grad"
+        assert refused.startswith(start), refused
+        assert "PartitionedOptimizer.clip_grad_norm_" in refused and "gradient_clipping" in refused
+        assert "has no .grad" in result["after_step"], result
+        assert result["norm_diff"] < 1e-5 and result["params"] < 1e-5, result
+        assert result["reductions"] > 0, result
+
+
 def _extra_round_trip(path: str) -> dict[str, Any]:
     from zero3.optim import load_checkpoint, save_checkpoint
 

@@ -60,7 +60,10 @@ def gradients_live_in_shards():
     weight = model.weight
     full = full_grad(weight)  # a collective: every rank calls it, in the same order
     if RANK == 0:
-        print(f"weight.grad is {weight.grad}")
+        try:
+            print(weight.grad)  # no full gradient exists: reading it is an error, not None
+        except RuntimeError as exc:
+            print(f"weight.grad: {str(exc).split(': ', 2)[1]}")
         print(f"local_grad: {tuple(local_grad(weight).shape)}, full_grad: {tuple(full.shape)}")
         # Outside forward and backward the parameter is released: full shape, no bytes.
         print(f"weight: shape {tuple(weight.shape)}, {weight.untyped_storage().nbytes()} bytes")

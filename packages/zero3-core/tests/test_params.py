@@ -8,7 +8,7 @@ from torch import nn
 
 from zero3.core import Zero3Config
 from zero3.core.engine import Moment, ParamStatus, Phase, ShardedModelState
-from zero3.core.params._params import ReleasedParameter
+from zero3.core.params._params import ReleasedParameter, ShardedParameter
 from zero3.testing.recording import RecordingBackend
 
 
@@ -46,7 +46,10 @@ def test_set_status_dresses_released_parameters_and_undresses_gathered_ones():
     _begin(state, training=True)
     c.fetch_sub_module(model, _at(True))
     assert weight.status is ParamStatus.AVAILABLE
-    assert type(model.weight) is Scaled  # the user's class, not a released one
+    # The user's class (with the sharded mixin), not a released one.
+    assert isinstance(model.weight, Scaled) and isinstance(model.weight, ShardedParameter)
+    assert not isinstance(model.weight, ReleasedParameter)
+    assert type(model.weight).__name__ == "Scaled"
     assert torch.isfinite(model.weight.sum())
     c.release_sub_module(model)
     c.end_pass(state.params)
@@ -55,6 +58,14 @@ def test_set_status_dresses_released_parameters_and_undresses_gathered_ones():
     weight.set_status(ParamStatus.INFLIGHT)  # not whole either: stays dressed
     assert isinstance(model.weight, ReleasedParameter)
     weight.set_status(ParamStatus.NOT_AVAILABLE)
+
+
+def test_unsharding_gives_the_users_own_class_back():
+    model = nn.Linear(4, 3)
+    model.weight = Scaled(model.weight.detach().clone())
+    state = _state(model)
+    state.unshard()
+    assert type(model.weight) is Scaled and type(model.bias) is nn.Parameter
 
 
 def test_status_is_read_only():

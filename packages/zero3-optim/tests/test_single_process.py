@@ -83,13 +83,14 @@ def test_errors_are_clear():
         PartitionedOptimizer(other, torch.optim.SGD, [nn.Parameter(torch.ones(2))], lr=0.1)
 
 
-def test_plain_clip_grad_norm_sees_nothing_but_ours_does():
+def test_plain_clip_grad_norm_is_refused_and_ours_clips():
     model, reference = _pair()
     opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.1)
     x = torch.randn(4, 6)
     model(x).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
-    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+    with pytest.raises(RuntimeError, match=r"has no \.grad.*PartitionedOptimizer\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a world of one too
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
     assert float(opt.clip_grad_norm_(1e-3)) == pytest.approx(float(expected), rel=1e-5)
 

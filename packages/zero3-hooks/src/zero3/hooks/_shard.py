@@ -65,10 +65,10 @@ class ShardedModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients and end zero3's gradient accumulation window."""
-        super().zero_grad(set_to_none)  # type: ignore[misc]
         state = try_sharded_state(self)  # type: ignore[arg-type]
-        if state is not None:
-            state.step.end_window()
+        if state is not None:  # first: then reading param.grad gives None, as after it
+            state.step.end_window(clear=True)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def to(self, *args: Any, **kwargs: Any) -> ShardedModule:
         """``nn.Module.to`` for a sharded module: casts the parameter shards to a

@@ -109,9 +109,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         last_grad_norm: The global gradient norm measured by the last clipping, or None.
 
     Note:
-        A sharded model's ``param.grad`` is always None: gradients live in per-rank
-        shards. ``torch.nn.utils.clip_grad_norm_(model.parameters())`` therefore sees
-        nothing (and returns 0): use :meth:`clip_grad_norm_`, or
+        A sharded model's gradients live in per-rank shards, not in ``param.grad``:
+        reading ``param.grad`` after a backward raises (it would be None where plain
+        PyTorch holds a gradient, so ``torch.nn.utils.clip_grad_norm_(model.parameters())``
+        would clip nothing and return 0). Clip with :meth:`clip_grad_norm_`, or
         ``Zero3Config.gradient_clipping``.
     """
 
@@ -409,9 +410,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """Stepped masters go back into the model (non-fp32 shards; whole parameters)."""
         self._zstate.commit_step(sp for sg in self._subgroups for sp in sg.params)
 
-    def _end_window(self) -> None:
+    def _end_window(self, *, clear: bool = False) -> None:
         self._grads_unscaled = False
-        self._zstate.step.end_window()
+        self._zstate.step.end_window(clear=clear)
 
     def _parts(self) -> _optim_checkpoint.OptimizerParts:
         """The masters, the wrapped optimizer and the scaler (for checkpoints)."""
@@ -424,7 +425,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for sg in self._subgroups:
             for view in sg.tensors():
                 view.grad = None
-        self._end_window()
+        self._end_window(clear=True)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: zero3 lays out master shards when the optimizer is built."""

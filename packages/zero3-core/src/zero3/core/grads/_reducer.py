@@ -215,6 +215,9 @@ class GradReducer:
         self._partition = GradPartition(self.buckets)
         self._whole = WholeGradients()
         self._window_flags = torch.zeros(len(self.params), dtype=torch.bool)
+        # Got a gradient since gradients were last cleared (zero_grad): where plain
+        # PyTorch would hold one in param.grad (the optimizer step does not clear it).
+        self._uncleared = torch.zeros(len(self.params), dtype=torch.bool)
         self._reset_backward()
 
     def replace_params(self, params: Sequence[ShardedParam], leaf_of: Mapping[int, int]) -> None:
@@ -270,6 +273,13 @@ class GradReducer:
         bucket, k = self._bucket_of[sp.index]
         return self._partition.slot(bucket, k, sp.shard.device)
 
+    def holds_grad(self, sp: ShardedParam) -> bool:
+        """Whether plain PyTorch would hold a gradient of ``sp`` in ``param.grad`` now: a
+        backward produced one on some rank since gradients were last cleared.
+        """
+        position = self._position.get(sp.index)
+        return position is not None and bool(self._uncleared[position])
+
     def grad_buffers(self) -> list[torch.Tensor]:
         """The tensors holding this rank's gradient shards (for memory accounting)."""
         return [*self._partition.buffers(), *self._whole.kept.values()]
@@ -280,9 +290,13 @@ class GradReducer:
         """
         self._accumulate = accumulate
 
-    def end_window(self) -> None:
-        """End the accumulation window (optimizer step or ``zero_grad``)."""
+    def end_window(self, *, clear: bool = False) -> None:
+        """End the accumulation window (optimizer step or ``zero_grad``); ``clear``:
+        gradients were cleared (``zero_grad``), so none is held any more.
+        """
         self._window_flags.zero_()
+        if clear:
+            self._uncleared.zero_()
         self._whole.kept.clear()
 
     # -- arrivals -------------------------------------------------------------------------
@@ -399,6 +413,7 @@ class GradReducer:
         if bool(late.any()):
             self._reduce_late(late)
         self._window_flags |= got
+        self._uncleared |= got
         self._reset_backward()
 
     def _exchange_flags(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,6 +124,8 @@ class ShardedModelState:
         self.step = TrainingStep(
             self.modules, self.params, self.coordinator, self.reducer, self.sync, self.stats
         )
+        for sp in self.params:  # param.grad asks the reducer (parameters unfrozen later too)
+            sp.grads = self.reducer
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
 
@@ -247,6 +249,7 @@ class ShardedModelState:
         )
         _params.register(sp)
         _PARAM_STATE[param] = self
+        _params.dress_sharded(param)
         if not sp.persistent:
             _params.free_full(param)
             sp.set_status(ParamStatus.NOT_AVAILABLE)
@@ -488,6 +491,7 @@ class ShardedModelState:
         self.coordinator.fetch_params(self.params, -1, self.step.moment())
         for sp in self.params:
             _params.unregister(sp.param)
+            _params.undress_sharded(sp.param)
             _PARAM_STATE.pop(sp.param, None)
         _STATES.pop(self.module, None)
         if self.grad_comm is not self.comm:

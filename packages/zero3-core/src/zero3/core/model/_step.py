@@ -40,7 +40,7 @@ from zero3.core.diag._stats import StatsBook
 from zero3.core.grads._reducer import GradReducer
 from zero3.core.model._sync import ModelSync
 from zero3.core.params._coordinator import ParamCoordinator
-from zero3.core.params._params import ShardedParam
+from zero3.core.params._params import ShardedParam, raw_grad, set_raw_grad
 
 __all__ = ["TrainingStep", "in_backward"]
 
@@ -205,17 +205,20 @@ class TrainingStep:
         None) and reduces it.
         """
         self._queue_epilogue()
-        grad = sp.param.grad
+        grad = raw_grad(sp.param)
         if grad is not None:
-            sp.param.grad = None
+            set_raw_grad(sp.param, None)
             self._reducer.on_grad(sp, grad)
 
     # -- the accumulation window (zero3.optim, ShardedModule.zero_grad) --------------------
 
-    def end_window(self) -> None:
-        """End the gradient accumulation window (an optimizer step or a ``zero_grad``)."""
+    def end_window(self, *, clear: bool = False) -> None:
+        """End the gradient accumulation window (an optimizer step or a ``zero_grad``);
+        ``clear``: gradients were cleared (``zero_grad``), so ``param.grad`` reads None
+        again (after an optimizer step plain PyTorch still holds them: reading raises).
+        """
         self._micro_steps = 0
-        self._reducer.end_window()
+        self._reducer.end_window(clear=clear)
 
     def close(self) -> None:
         """End an open step now (the model is being unsharded)."""

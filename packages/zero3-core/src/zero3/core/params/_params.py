@@ -38,6 +38,21 @@ Note (reading a released parameter):
     stack with the user's own modes for the model's whole life. Measured by
     ``tools/measure_tricks.py`` (torch 2.13, CPU, one thread; ranges over four runs on a
     loaded 2-core machine).
+
+Note (``param.grad`` of a sharded parameter):
+    zero3 takes every gradient the moment autograd has accumulated it and reduces it
+    into per-rank shards, so ``param.grad`` is None where plain PyTorch holds a
+    gradient. Code written for one process reads it (``torch.nn.utils.clip_grad_norm_``
+    over ``model.parameters()``, gradient-norm logging) and would see nothing: no
+    clipping, a norm of 0, without a word. So every sharded parameter, persistent ones
+    and those of a world of one included, is an instance of a subclass of its own class
+    with :class:`ShardedParameter` mixed in, whose ``grad`` raises where plain PyTorch
+    would hold a gradient (from the end of a backward that produced one, on any rank,
+    until gradients are cleared) and is None where it would be None. Setting it works
+    as on any tensor (``zero_grad`` sets None; a gradient set before a backward is
+    accumulated into, as autograd does). The subclass changes no op (it defines no
+    ``__torch_function__``), so forward and backward pay nothing for it; zero3's own
+    hooks read and clear the field directly (:func:`raw_grad`).
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ import enum
 import sys
 import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -60,15 +75,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METADATA_OPS",
+    "GradHolder",
     "ParamStatus",
     "ReleasedParameter",
     "ShardedParam",
+    "ShardedParameter",
     "dress_released",
+    "dress_sharded",
     "fill_full",
     "free_full",
     "local_shard",
     "lookup",
+    "raw_grad",
+    "set_raw_grad",
     "undress_released",
+    "undress_sharded",
     "write_full",
 ]
 
@@ -82,6 +103,14 @@ class ParamStatus(enum.Enum):
     INFLIGHT = "inflight"
     #: The full data is present (gathered, or a persistent parameter).
     AVAILABLE = "available"
+
+
+class GradHolder(Protocol):
+    """Where a parameter's gradients go (the model's gradient reducer)."""
+
+    def holds_grad(self, sp: ShardedParam) -> bool:
+        """Whether plain PyTorch would hold a gradient of ``sp`` now (see the Note)."""
+        ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,6 +143,8 @@ class ShardedParam:
         version: The parameter's autograd version counter when zero3 last knew its
             whole data to equal the shards; a different counter means an in-place edit
             (zero3's own fills and writes never move it).
+        grads: Where its gradients go, asked when ``param.grad`` is read (None: not
+            trainable when sharded, or not wired yet).
     """
 
     index: int
@@ -133,6 +164,7 @@ class ShardedParam:
     owners: list[str] = dataclasses.field(default_factory=list)
     master: torch.Tensor | None = None
     version: int = 0
+    grads: GradHolder | None = dataclasses.field(default=None, repr=False)
 
     @property
     def status(self) -> ParamStatus:
@@ -311,6 +343,107 @@ def undress_released(param: torch.Tensor) -> None:
     original = _ORIGINAL_CLASSES.get(type(param))
     if original is not None:
         param.__class__ = original
+
+
+#: The ``grad`` attribute of every tensor: reads and writes the field autograd fills.
+_GRAD: Any = torch._C.TensorBase.grad
+#: ``raw_grad(param)``: ``param.grad`` as autograd left it, without the check of
+#: :class:`ShardedParameter`; ``set_raw_grad(param, grad)`` sets it. zero3's gradient
+#: hook uses them on every parameter of every step: bound slot wrappers, no Python frame.
+raw_grad: Callable[[torch.Tensor], torch.Tensor | None] = _GRAD.__get__
+set_raw_grad: Callable[[torch.Tensor, torch.Tensor | None], None] = _GRAD.__set__
+
+
+class ShardedParameter(nn.Parameter):
+    """Mixed into the class of every sharded parameter: its ``grad`` refuses to be read
+    where plain PyTorch would hold a gradient that zero3 has reduced into shards (see
+    the module Note "``param.grad`` of a sharded parameter").
+    """
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The gradient autograd left here, if any; raises where zero3 holds it in shards."""
+        grad = _GRAD.__get__(self)
+        if grad is None:
+            sp = lookup(self)
+            if sp is not None and sp.grads is not None and sp.grads.holds_grad(sp):
+                raise RuntimeError(_no_full_grad(sp.name))
+        return grad  # type: ignore[no-any-return]
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _GRAD.__delete__(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        # A copy is an ordinary parameter of the user's class, outside zero3 (reading a
+        # released one's data raises, naming gathered_parameters).
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        cls = unsharded_class(type(self))
+        data = self.data.clone(memory_format=torch.preserve_format)
+        copy = cls(data, self.requires_grad)
+        memo[id(self)] = copy
+        return copy  # type: ignore[no-any-return]
+
+
+def _no_full_grad(name: str) -> str:
+    return (
+        f"zero3: parameter {name!r} of a sharded model has no .grad: zero3 took its "
+        "gradient into its own buffers (reduced into per-rank shards), so code that reads "
+        "param.grad would see nothing (torch.nn.utils.clip_grad_norm_(model.parameters()) "
+        "would clip nothing and return 0). Clip with "
+        "zero3.optim.PartitionedOptimizer.clip_grad_norm_(max_norm) or "
+        "Zero3Config(gradient_clipping=max_norm); read gradients with "
+        "zero3.core.local_grad(param) (this rank's shard) or zero3.core.full_grad(param) "
+        "(a collective) before the optimizer steps; step with a PartitionedOptimizer. "
+        "Setting param.grad = None (zero_grad) works as usual."
+    )
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+_UNSHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    """``ShardedParameter`` mixed into a parameter's own class (cached; same name, so
+    ``type(param).__name__`` is unchanged).
+    """
+    sharded = _SHARDED_CLASSES.get(cls)
+    if sharded is None:
+        sharded = type(
+            cls.__name__,
+            (ShardedParameter, cls),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        _SHARDED_CLASSES[cls] = sharded
+        _UNSHARDED_CLASSES[sharded] = cls
+    return sharded
+
+
+def unsharded_class(cls: type) -> type:
+    """The user's own parameter class behind a sharded (or released) one."""
+    cls = _ORIGINAL_CLASSES.get(cls, cls)
+    return _UNSHARDED_CLASSES.get(cls, cls)
+
+
+def dress_sharded(param: torch.Tensor) -> None:
+    """Give a parameter being sharded its sharded class (released ones stay released)."""
+    cls = type(param)
+    released = issubclass(cls, ReleasedParameter)
+    own = _ORIGINAL_CLASSES.get(cls, cls) if released else cls
+    if issubclass(own, ShardedParameter):
+        return
+    sharded = _sharded_class(own)
+    param.__class__ = _released_class(sharded) if released else sharded
+
+
+def undress_sharded(param: torch.Tensor) -> None:
+    """Give a parameter that is sharded no more (whole again) the user's class back."""
+    param.__class__ = unsharded_class(type(param))
 
 
 # param -> ShardedParam for every sharded parameter in this process, keyed by identity
