@@ -628,6 +628,65 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load(worker_pool,
         assert "load_checkpoint(path, model, None)" in text, text
 
 
+def _diff(xs: Any, ys: Any) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(xs, ys, strict=True))
+
+
+def _copies_and_ema() -> dict[str, Any]:
+    import io
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    comm = GlooBackend(timeout_s=20)
+    config = Zero3Config(param_persistence_threshold=0, timeout_s=20)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    shard_module(model, config, comm=comm)
+    whole, part = copy.deepcopy(model), copy.deepcopy(model[2])  # gathers: every rank
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.2)
+    ropt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    refused = ""
+    for step in range(3):
+        _train_step(model, opt, reference, ropt, _batch(step, comm.world_size), comm)
+        if step == 0:
+            refused = _error_text(lambda: ema.update_parameters(model))
+        with gathered_parameters(list(model.parameters())):  # how an EMA is kept
+            ema.update_parameters(model)
+        ref_ema.update_parameters(reference)
+    pickled = _error_text(lambda: torch.save(model, io.BytesIO()))
+    return {
+        "plain": [
+            type(whole) is nn.Sequential,
+            type(part) is nn.Linear,
+            all(type(p) is nn.Parameter for p in whole.parameters()),
+        ],
+        "hooks": len(whole._forward_pre_hooks) + len(whole[0]._forward_hooks),
+        "whole_diff": _diff(whole.parameters(), _mlp().parameters()),
+        "part_diff": _diff(part.parameters(), _mlp()[2].parameters()),
+        "refused": refused,
+        "ema_diff": _diff(ema.state_dict().values(), ref_ema.state_dict().values()),
+        "pickled": pickled,
+        "config": pickle.loads(pickle.dumps(config)) == copy.deepcopy(config) == config,
+        "gathers": stats(model).gathers,
+    }
+
+
+def test_deepcopy_and_ema_of_a_sharded_model_are_ordinary_copies(worker_pool):
+    for result in worker_pool(2).run(_copies_and_ema):
+        assert all(result["plain"]) and result["hooks"] == 0, result
+        assert result["whole_diff"] == 0.0 and result["part_diff"] == 0.0, result
+        assert "partitioned across ranks" in result["refused"], result
+        assert "gathered_parameters" in result["refused"], result
+        assert result["ema_diff"] < 1e-6, result
+        start = "TypeError: zero3: a sharded module cannot be pickled"
+        assert result["pickled"].startswith(start), result
+        assert "full_state_dict" in result["pickled"], result
+        assert result["config"] and result["gathers"] > 0, result
+
+
 def _broken_safetensors(path: str, damage: str) -> str:
     from safetensors.torch import save_file
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zero3.core.engine import ShardedModelState, ShardedParam, in_backward, sharded_param
+from zero3.hooks._copy import PICKLE_REFUSED, seed_plain_copy
 from zero3.hooks._tree import iter_tensors, map_tensors
 
 __all__ = [
@@ -122,6 +123,15 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
             self.hooks.on_param_read(self.module_index, value)
         return value
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        # Reached first when copy.deepcopy copies this module (see zero3.hooks._copy):
+        # copy the module's whole subtree as ordinary modules.
+        self.hooks.seed_copy(self.module_index, memo)
+        return memo[id(self)]  # type: ignore[no-any-return]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(PICKLE_REFUSED)
+
     def __setitem__(self, key: str, value: Any) -> None:
         old = dict.get(self, key)
         if old is not None and old is not value and sharded_param(old) is not None:
@@ -186,6 +196,20 @@ class ModelHooks:
     def add_handle(self, handle: RemovableHandle) -> None:
         """Keep a handle removed together with the hooks (state-dict hooks)."""
         self._handles.append(handle)
+
+    def seed_copy(self, module_index: int, memo: dict[int, Any]) -> None:
+        """Prepare ``copy.deepcopy``'s memo so that the module and its subtree copy as
+        ordinary modules (a collective when it holds partitioned parameters; see
+        ``zero3.hooks._copy``).
+        """
+        ours: dict[int, set[int]] = {}
+        for handle in self._handles:
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                table = ref()
+                if table is not None:
+                    ours.setdefault(id(table), set()).add(handle.id)
+        module = self.state.modules[module_index][1]
+        seed_plain_copy(module, memo, ours, lambda v: isinstance(v, ParamAccessDict))
 
     # -- forward --------------------------------------------------------------------------
 

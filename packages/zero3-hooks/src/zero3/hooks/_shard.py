@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import weakref
@@ -22,6 +23,7 @@ from zero3.core.engine import (
     sharded_state,
     try_sharded_state,
 )
+from zero3.hooks._copy import PICKLE_REFUSED
 from zero3.hooks._hooks import ModelHooks, install_hooks
 from zero3.hooks._state_dict import install_state_dict_guards
 
@@ -69,6 +71,31 @@ class ShardedModule:
         if state is not None:  # first: then reading param.grad gives None, as after it
             state.step.end_window(clear=True)
         super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """``copy.deepcopy``: an ordinary, unsharded copy holding the full values.
+
+        A collective when the model has partitioned parameters (it gathers them, one
+        module at a time): every rank copies. See ``zero3.hooks._copy``.
+        """
+        hooks = _HOOKS.get(self)  # type: ignore[call-overload]
+        cls: Any = _unsharded_class(type(self))
+        if hooks is not None:
+            hooks.seed_copy(0, memo)
+        copied: nn.Module = cls.__new__(cls)
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
+    def __copy__(self) -> Any:
+        """``copy.copy``: a shallow copy (the same parameters and hooks), as for any module."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling (``torch.save(model)``) is refused, saying what to do instead."""
+        raise TypeError(PICKLE_REFUSED)
 
     def to(self, *args: Any, **kwargs: Any) -> ShardedModule:
         """``nn.Module.to`` for a sharded module: casts the parameter shards to a
@@ -129,6 +156,11 @@ class ShardedModule:
     def double(self) -> ShardedModule:
         """``.to(torch.float64)`` (see :meth:`to`)."""
         return self.to(torch.float64)
+
+
+def _unsharded_class(cls: type) -> type:
+    """The user's class behind the sharded one (``ShardedModule`` mixed in)."""
+    return next(c for c in cls.__mro__ if not issubclass(c, ShardedModule))
 
 
 def _sharded_class(cls: type) -> type:
@@ -241,10 +273,8 @@ def unshard_module(module: nn.Module) -> nn.Module:
     hooks = _HOOKS.pop(module)
     state.unshard()
     hooks.remove()
-    cls = type(module)
-    if issubclass(cls, ShardedModule):
-        original = next(c for c in cls.__mro__[1:] if not issubclass(c, ShardedModule))
-        module.__class__ = original  # type: ignore[assignment]
+    if isinstance(module, ShardedModule):
+        module.__class__ = _unsharded_class(type(module))
     return module
 
 
