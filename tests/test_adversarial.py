@@ -687,6 +687,37 @@ def test_deepcopy_and_ema_of_a_sharded_model_are_ordinary_copies(worker_pool):
         assert result["config"] and result["gathers"] > 0, result
 
 
+def _peer_leaves(how: str) -> str:
+    import atexit
+
+    comm = GlooBackend(timeout_s=20)
+    model = _mlp()
+    shard_module(model, Zero3Config(param_persistence_threshold=0, timeout_s=20), comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if comm.rank == 1:  # one batch fewer than rank 0: its script ends here
+        if how == "exit":
+            atexit._run_exitfuncs()  # what the interpreter does as the script ends
+        os._exit(0)  # (no exit handler at all for "crash")
+    return _error_text(lambda: model(torch.randn(2, 6)))
+
+
+@pytest.mark.parametrize("how", ["exit", "crash"])
+def test_a_peer_that_left_is_named_with_the_operation_and_step(worker_pool, how):
+    texts = worker_pool(2).run(_peer_leaves, how, timeout=90, allow_rank_exit=True)
+    assert isinstance(texts[1], RankExited)
+    text = texts[0]
+    who = {
+        "exit": "rank 1 left the job (its process exited normally",
+        "crash": "rank 1 is gone: its process (pid",
+    }[how]
+    assert text.startswith(f"PeerGoneError: zero3: {who}"), text
+    assert "while rank 0 waited for it in this zero3 operation: " in text, text
+    assert "module '0'" in text and "step 2, training forward" in text, text
+
+
 def _broken_safetensors(path: str, damage: str) -> str:
     from safetensors.torch import save_file
 

@@ -83,6 +83,8 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from zero3.comm._departures import announce_departure
+
 __all__ = [
     "EXIT_WAIT_S",
     "ExitParticipant",
@@ -312,9 +314,21 @@ def _release(wait_s: float, *, at_exit: bool) -> int:
         return len(_Created.groups)
 
 
+def _how_this_process_ends() -> str:
+    """For the departure notice: a normal end, or the uncaught exception."""
+    error = getattr(sys, "last_value", None)
+    if error is None:
+        return "its process exited normally: the script ended or called sys.exit"
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    return f"its process ended with an uncaught {type(error).__name__}: {text}"
+
+
 @atexit.register
 def _at_exit() -> None:
     try:
+        # First, while the groups still stand: a peer that finds this process gone
+        # then reads how it ended (zero3.comm._departures).
+        announce_departure(_how_this_process_ends())
         release_at_exit()
     except Exception as exc:  # an exit handler must not turn a finished run into a failure
         _log.warning("zero3.comm: releasing process groups at exit failed: %r", exc)

@@ -19,12 +19,14 @@ import torch.distributed as dist
 
 from zero3.comm import _teardown
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
+from zero3.comm._departures import describe_gone, looks_like_peer_gone, note_arrival
 from zero3.comm._launch import TORCH_LAUNCH_VARS, launched_by_mpi, launched_by_torch
 from zero3.comm._stream import Stream
 from zero3.comm._types import (
     Capabilities,
     CommError,
     CommTimeoutError,
+    PeerGoneError,
     ReduceOp,
 )
 from zero3.comm._work import ThenWork, Work
@@ -111,8 +113,10 @@ class TorchWork(Work):
         timeout_s: float,
         device_type: str,
         pending: dict[int, TorchWork] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self._work: Any = work
+        self._group = group  # whose peers a lost connection is looked up among
         self._description = description
         self._timeout = _timedelta(timeout_s)
         self._device_type = device_type
@@ -136,8 +140,15 @@ class TorchWork(Work):
                     work.wait()
         except RuntimeError as exc:
             message = str(exc)
-            kind = CommTimeoutError if "imed out" in message or "imeout" in message else CommError
-            raise kind(f"{self._description} failed: {message.strip().splitlines()[0]}") from exc
+            first = message.strip().splitlines()[0]
+            if "imed out" in message or "imeout" in message:
+                raise CommTimeoutError(f"{self._description} failed: {first}") from exc
+            if looks_like_peer_gone(message):
+                gone, _ = describe_gone(self._group)
+                transport = f"{self._description} failed: {first}"
+                who = PeerGoneError(transport, gone).who()
+                raise PeerGoneError(f"{transport} ({who})", gone, transport) from exc
+            raise CommError(f"{self._description} failed: {first}") from exc
         self._done = True
         if self._device_type == "cpu":  # the data is here: the collective is over
             self._drop()
@@ -232,6 +243,7 @@ class TorchDistBackend(CommBackend):
         self._group: dist.ProcessGroup | None = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout_s=timeout_s)
         _teardown.track(self)
+        note_arrival()  # so that peers can tell later whether this process is gone
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -401,7 +413,9 @@ class TorchDistBackend(CommBackend):
                     work = launch()
         except RuntimeError as exc:
             raise CommError(f"{description} failed to start: {exc}") from exc
-        return TorchWork(work, description, self.timeout_s, self.device_type, self._pending)
+        return TorchWork(
+            work, description, self.timeout_s, self.device_type, self._pending, self._group
+        )
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, stream: Stream | None) -> Work:
         return self._issue(

@@ -12,6 +12,7 @@ __all__ = [
     "Capabilities",
     "CommError",
     "CommTimeoutError",
+    "PeerGoneError",
     "ReduceOp",
     "UnknownBackendError",
     "UnsupportedDTypeError",
@@ -69,6 +70,32 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError, TimeoutError):
     """A collective did not complete within the backend's timeout."""
+
+
+class PeerGoneError(CommError):
+    """A collective failed because a peer's process is gone (it left the job or died).
+
+    Attributes:
+        gone: What is known of the peers that are gone: ``{rank in the group: how}``
+            (empty when no peer left a notice and none is known dead).
+        transport: The collective and the transport's own words.
+    """
+
+    def __init__(
+        self, message: str, gone: dict[int, str] | None = None, transport: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.gone: dict[int, str] = dict(gone or {})
+        self.transport = transport or message
+
+    def who(self) -> str:
+        """The peers that are gone, in words (for messages that wrap this one)."""
+        if self.gone:
+            return "; ".join(f"rank {rank} {how}" for rank, how in sorted(self.gone.items()))
+        return (
+            "a peer is gone and left no notice saying why: it crashed or was killed (its "
+            "own output says why), or it ran on another host"
+        )
 
 
 class UnknownBackendError(LookupError):

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from zero3.comm import CommBackend, CommTimeoutError
+from zero3.comm import CommBackend, CommTimeoutError, PeerGoneError
 
 __all__ = [
     "CollectiveGuard",
@@ -153,12 +153,39 @@ class Op:
 
 
 @contextlib.contextmanager
-def waiting_for(what: Callable[[], str]) -> Iterator[None]:
-    """Re-raise a comm timeout inside the block with ``what()`` this rank waited for."""
+def waiting_for(
+    what: Callable[[], str],
+    *,
+    rank: int | None = None,
+    during: Callable[[], str] | None = None,
+    after: Callable[[], str] | None = None,
+) -> Iterator[None]:
+    """Re-raise comm failures inside the block saying what this rank was doing.
+
+    Args:
+        what: For a timeout: what this rank waited for (a sentence that starts with
+            the rank, "rank 0 timed out ...").
+        rank: This rank (for a lost peer's message).
+        during: For a peer that is gone: the zero3 operation and step this rank was
+            in (default: ``what()``).
+        after: What every rank completed together (the guard's last agreed operation).
+    """
     try:
         yield
     except CommTimeoutError as exc:
         raise CommTimeoutError(f"zero3: {what()}: {exc}") from exc
+    except PeerGoneError as exc:
+        doing = during() if during is not None else what()
+        here = f"rank {rank}" if rank is not None else "this rank"
+        known = f" ({after()})" if after is not None else ""
+        raise PeerGoneError(
+            f"zero3: {exc.who()}, while {here} waited for it in {doing}. Every rank must run "
+            "the same zero3 operations to the end: a rank that saves (or evaluates) on rank "
+            "0 only, has fewer batches, or leaves the loop early leaves the others "
+            f"waiting{known}. [{exc.transport}]",
+            exc.gone,
+            exc.transport,
+        ) from exc
 
 
 class CollectiveGuard:
@@ -211,7 +238,10 @@ class CollectiveGuard:
             lambda: (
                 f"rank {self.rank} timed out before {self.describe(op)}: a peer never "
                 f"issued its next zero3 collective ({self.last_words()})"
-            )
+            ),
+            rank=self.rank,
+            during=lambda: f"this zero3 operation: {self.describe(op)}",
+            after=self.last_words,
         ):
             channel.all_gather(out, mine).wait()
         self.exchanges += 1

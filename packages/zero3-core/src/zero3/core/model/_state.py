@@ -419,7 +419,10 @@ class ShardedModelState:
             lambda: (
                 f"rank {self.comm.rank} timed out in the optimizer's all-reduce "
                 f"(step {self.step.number})"
-            )
+            ),
+            rank=self.comm.rank,
+            during=lambda: f"the optimizer's all-reduce (step {self.step.number})",
+            after=self.guard.last_words,
         ):
             self.grad_comm.all_reduce(tensor, op=op).wait()
         self.stats.current.other_collectives += 1
@@ -477,7 +480,12 @@ class ShardedModelState:
         nbytes = shard.numel() * shard.element_size()
         self.guard.check(Op(OpKind.FULL_GRAD, self.step.number, 0, -1, sp.index, nbytes))
         out = torch.empty(sp.padded_numel, dtype=shard.dtype, device=shard.device)
-        with waiting_for(lambda: f"rank {self.comm.rank} timed out in full_grad({sp.name!r})"):
+        with waiting_for(
+            lambda: f"rank {self.comm.rank} timed out in full_grad({sp.name!r})",
+            rank=self.comm.rank,
+            during=lambda: f"full_grad({sp.name!r}) (step {self.step.number})",
+            after=self.guard.last_words,
+        ):
             self.grad_comm.all_gather(out, shard.contiguous()).wait()
         self.stats.current.other_collectives += 1
         return out[: sp.numel].view(sp.shape)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.autograd.variable import Variable
 
-from zero3.core.diag._guard import Moment, Phase
+from zero3.core.diag._guard import Moment, Phase, waiting_for
 from zero3.core.diag._stats import StatsBook
 from zero3.core.grads._reducer import GradReducer
 from zero3.core.model._sync import ModelSync
@@ -293,8 +293,14 @@ class TrainingStep:
         """End of backward: reduce what is left, release everything, end the step."""
         tracer = self._coordinator.tracer
         start = tracer.now_us() if tracer is not None else 0.0
+        rank, number = self._reducer.comm.rank, self._number
         try:
-            self._reducer.end_backward()
+            with waiting_for(
+                lambda: f"rank {rank} timed out reducing gradients at the end of step {number}",
+                rank=rank,
+                during=lambda: f"the gradient reduction at the end of backward (step {number})",
+            ):
+                self._reducer.end_backward()
             self._micro_steps += 1
             if self._open:
                 self._close()

@@ -191,7 +191,12 @@ class ModelSync:
         for index in edited:
             flags[index] = 1
         self.guard.check(Op(OpKind.SYNC, step, 0, -1, n, flags.numel()))
-        with waiting_for(lambda: f"rank {self.comm.rank} timed out synchronising step {step}"):
+        with waiting_for(
+            lambda: f"rank {self.comm.rank} timed out synchronising step {step}",
+            rank=self.comm.rank,
+            during=lambda: f"the synchronisation of edits and buffers at step {step}",
+            after=self.guard.last_words,
+        ):
             on_device = flags.to(self.comm.device())
             self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
             flagged = [self.params[int(i)] for i in torch.nonzero(on_device.cpu()).flatten()]

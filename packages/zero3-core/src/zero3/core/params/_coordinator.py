@@ -540,7 +540,15 @@ class ParamCoordinator:
             self._gathering.pop(sp.index, None)
         tracer = self.tracer
         waited = self._now()
-        with waiting_for(lambda: self._waiting_text(handle)):
+        with waiting_for(
+            lambda: self._waiting_text(handle),
+            rank=self.comm.rank,
+            during=lambda: (
+                f"the {handle.kind} for module {self.describe(handle.module_index)!r} "
+                f"(step {handle.step})"
+            ),
+            after=self.guard.last_words,
+        ):
             handle.finish(self.comm.current_stream())
         if handle.verify == "later":
             self._unverified.append(handle)
