@@ -92,8 +92,11 @@ def test_the_transformers_zero3_config_loads_unchanged(caplog):
     assert 'gradient_clipping: "auto" -> 1.0' in chosen
     assert 'bf16.enabled: "auto" -> False' in chosen and 'fp16.enabled: "auto" -> False' in chosen
     assert 'zero_optimization.reduce_bucket_size: "auto" -> 500,000,000' in chosen
+    # Dropping offload changes the run's memory: a warning, not an INFO line.
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "zero_optimization.offload_param (changes memory): zero3 does not offload" in warning
+    assert "zero_optimization.offload_optimizer (changes memory)" in warning
     for key in (
-        "zero_optimization.offload_param: zero3 does not offload",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save: save full weights",
         "optimizer: build it in the loop",
         "train_batch_size: left to the training loop",
@@ -293,10 +296,25 @@ def test_memory_and_compression_features_run_without_them_and_say_so(caplog):
     }
     with caplog.at_level(logging.INFO, logger="zero3.core"):
         c = Zero3Config.from_deepspeed(_zero(**keys))
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     for key, value in keys.items():
         assert c.extras[f"zero_optimization.{key}"] == value
-        assert f"zero_optimization.{key}: " in caplog.text
+        assert f"zero_optimization.{key} (changes " in warnings  # memory or numerics
     assert c.param_persistence_threshold == 100_000  # the total cap changes nothing here
+
+
+def test_dropped_memory_and_numerics_settings_warn_on_rank_0_only(caplog, monkeypatch):
+    config = _zero(offload_param={"device": "cpu"})
+    config["fp16"] = {"enabled": True, "auto_cast": True}
+    for rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="zero3.core"):
+            Zero3Config.from_deepspeed(config)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == expected, (rank, warnings)
+    assert "zero_optimization.offload_param (changes memory)" in warnings[0]
+    assert "fp16.auto_cast (changes numerics)" in warnings[0]
 
 
 def test_switched_off_features_and_stage_1_2_settings_are_honoured_silently(caplog):

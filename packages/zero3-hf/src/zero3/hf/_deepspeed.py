@@ -194,8 +194,11 @@ def warn_unused_sections(
     config: Mapping[str, Any], args: TrainingArguments, optimizer_cls: type
 ) -> None:
     """Log at WARNING what the optimizer and scheduler sections ask for that the
-    Trainer's own optimizer and scheduler do not do, and what is used instead.
+    Trainer's own optimizer and scheduler do not do, and what is used instead (rank 0
+    only: every rank reads the same config).
     """
+    if args.process_index != 0:
+        return
     optimizer = config.get("optimizer")
     used = (
         f"the Trainer's own optimizer: {optimizer_cls.__module__}.{optimizer_cls.__name__} "

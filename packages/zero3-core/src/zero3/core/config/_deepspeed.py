@@ -11,9 +11,12 @@ Note (what happens to each key):
       training loop owns most of these (batch sizes, optimizer, scheduler, logging);
       the others only change where memory lives or how communication is compressed
       (offload, ZeRO++, MiCS), and zero3 computes the same training in full precision
-      with everything on the training device. They are logged once per config, at INFO,
-      with what to do instead, and kept in :attr:`Zero3Config.extras` under their
-      dotted key (``"zero_optimization.stage3_gather_16bit_weights_on_model_save"``);
+      with everything on the training device. They are logged once per config with what
+      to do instead, and kept in :attr:`Zero3Config.extras` under their dotted key
+      (``"zero_optimization.stage3_gather_16bit_weights_on_model_save"``). Those whose
+      absence changes the run's memory or numerics (offload, quantized communication,
+      autocast, ...: ``Key.costs``) are logged at WARNING, the others at INFO, and only
+      by rank 0 of a launched job (every rank reads the same config);
     - *refused*: zero3 cannot run what it asks (another ZeRO stage, tensor/expert/
       sequence parallelism, a summed gradient reduction) or it contradicts another key.
 
@@ -29,8 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Collection, Mapping
 from typing import Any
+
+import torch.distributed as dist
 
 from zero3.core.config._checks import check_clipping
 from zero3.core.config._deepspeed_keys import (
@@ -48,7 +54,7 @@ from zero3.core.config._deepspeed_keys import (
     same_setting_twice,
 )
 
-__all__ = ["fields_from_deepspeed"]
+__all__ = ["fields_from_deepspeed", "first_rank"]
 
 _log = logging.getLogger("zero3.core")
 
@@ -65,14 +71,31 @@ class _Reading:
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     chosen: list[str] = dataclasses.field(default_factory=list)
     unused: list[str] = dataclasses.field(default_factory=list)
+    ignored: list[str] = dataclasses.field(default_factory=list)  # memory or numerics
 
     def choose(self, label: str, field: str | None, text: str) -> None:
         if field is None or field not in self.overrides:
             self.chosen.append(f"{label}: {text}")
 
-    def leave(self, label: str, value: Any, todo: str) -> None:
+    def leave(self, label: str, value: Any, todo: str, costs: str = "") -> None:
         self.extras[label] = value
-        self.unused.append(f"{label}: {todo}")
+        if costs:
+            self.ignored.append(f"{label} (changes {costs}): {todo}")
+        else:
+            self.unused.append(f"{label}: {todo}")
+
+
+def first_rank() -> bool:
+    """Whether this process is rank 0 of its job, or in none (warnings about a config
+    every rank reads are shown once).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value) == 0
+    return True
 
 
 def _fmt(value: Any) -> str:
@@ -99,7 +122,7 @@ def _read(reading: _Reading, prefix: str, section: Mapping[str, Any],
         value = raw
         if raw == AUTO:
             if spec.loop:
-                reading.leave(label, AUTO, "left to the training loop; " + spec.todo)
+                reading.leave(label, AUTO, "left to the training loop; " + spec.todo, spec.costs)
                 continue
             value = spec.default
             why = spec.auto or "DeepSpeed's default"
@@ -117,7 +140,7 @@ def _read(reading: _Reading, prefix: str, section: Mapping[str, Any],
         elif spec.refuse and spec.active(value):
             raise ValueError(f"{label}: {spec.refuse}")
         elif spec.todo and spec.active(value):
-            reading.leave(label, raw, spec.todo)
+            reading.leave(label, raw, spec.todo, spec.costs)
     return values
 
 
@@ -197,7 +220,7 @@ def _clipping(reading: _Reading, config: Mapping[str, Any]) -> None:
             "gradient_clipping", None, '"auto" -> 1.0 (the HF Trainer\'s max_grad_norm default)'
         )
         clip = 1.0
-    if "gradient_clipping" not in config:
+    if "gradient_clipping" not in config and first_rank():
         _log.warning(
             "zero3: the DeepSpeed config sets no gradient_clipping, so zero3 does not clip "
             "(DeepSpeed >= 0.19 would clip at 1.0 by default)"
@@ -225,6 +248,12 @@ def fields_from_deepspeed(
     if reading.chosen:
         _log.info(
             "zero3: values chosen for the DeepSpeed config:\n  %s", "\n  ".join(reading.chosen)
+        )
+    if reading.ignored and first_rank():
+        _log.warning(
+            "zero3: DeepSpeed settings zero3 does not honour, which changes this run's "
+            "memory or numerics against DeepSpeed's (kept in Zero3Config.extras):\n  %s",
+            "\n  ".join(reading.ignored),
         )
     if reading.unused:
         _log.info(

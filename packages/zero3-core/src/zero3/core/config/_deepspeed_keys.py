@@ -159,6 +159,8 @@ class Key:
         spellings: The names DeepSpeed reads this one setting under (``stage3_`` and
             plain, old names), when it has several: given twice with different values
             it is an error naming both (DeepSpeed would keep one of them silently).
+        costs: What not acting on the key changes for the run (``"memory"`` or
+            ``"numerics"``); such a key is logged at WARNING, the others at INFO.
     """
 
     check: Callable[[str, Any], Any]
@@ -171,6 +173,7 @@ class Key:
     active: Callable[[Any], bool] = _on
     about: str | None = None
     spellings: tuple[str, ...] = ()
+    costs: str = ""
 
 
 _NO_OFFLOAD = (
@@ -318,6 +321,7 @@ ZERO: dict[str, Key] = {
     **_k(
         "load_from_fp32_weights", check=check_bool, default=True, active=lambda v: v is False,
         todo="zero3's optimizer checkpoints always restore the fp32 masters themselves",
+        costs="numerics",
     ),
     **_aka(
         "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
@@ -329,12 +333,14 @@ ZERO: dict[str, Key] = {
         check=_ints(0), default=sys.maxsize, active=lambda v: v < sys.maxsize,
         todo="zero3 puts no total cap on persistent parameters: lower "
         "stage3_param_persistence_threshold to keep fewer of them whole",
+        costs="memory",
     ),
     **_aka(
         "stage3_module_granularity_threshold", "module_granularity_threshold",
         check=_ints(0), default=0,
         todo="mark fine-grained modules as leaves instead (leaf_module / "
         "Zero3Config.leaf_modules): each is then gathered in one collective",
+        costs="memory",
     ),
     **_aka(
         "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
@@ -361,37 +367,46 @@ ZERO: dict[str, Key] = {
         "counts them in zero3.hooks.stats(model).trace_invalidations",
     ),
     # Memory placement and compressed communication: same training, other costs.
-    **_k("offload_param", check=_offload(_OFFLOAD_PARAM), active=_offloading, todo=_NO_OFFLOAD),
+    **_k("offload_param", check=_offload(_OFFLOAD_PARAM), active=_offloading, todo=_NO_OFFLOAD,
+         costs="memory"),
     **_k(
         "offload_optimizer", check=_offload(_OFFLOAD_OPTIMIZER), active=_offloading,
         todo=_NO_OFFLOAD,
+        costs="memory",
     ),
     **_k(
         "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
         check=_optional_bool, todo=_NO_OFFLOAD,
+        costs="memory",
     ),
     **_k(
         "zenflow", check=_optional_section, active=lambda v: v is not None,
         todo="zero3 applies every gradient at every step (no ZenFlow selection or offload)",
+        costs="memory",
     ),
     **_k(
         "zero_quantized_weights", "zero_quantized_nontrainable_weights",
         "zero_quantized_gradients",
         check=check_bool, default=False, todo=_FULL_PRECISION_COMM,
+        costs="numerics",
     ),
     **_k(
         "zeropp_loco_param", check=_optional_section, active=lambda v: v is not None,
         todo=_FULL_PRECISION_COMM,
+        costs="numerics",
     ),
     **_k(
         "zero_hpz_partition_size", check=_ints(0), default=1, active=lambda v: v > 1,
         todo=_ALL_RANKS,
+        costs="memory",
     ),
     **_k(
         "mics_shard_size", check=lambda label, v: check_int(label, v, minimum=-1),
         default=-1, active=lambda v: v > 0, todo=_ALL_RANKS,
+        costs="memory",
     ),
-    **_k("mics_hierarchical_params_gather", check=check_bool, default=False, todo=_ALL_RANKS),
+    **_k("mics_hierarchical_params_gather", check=check_bool, default=False, todo=_ALL_RANKS,
+         costs="memory"),
 }  # fmt: skip
 
 FP16: dict[str, Key] = {
@@ -409,12 +424,15 @@ FP16: dict[str, Key] = {
         "auto_cast", check=check_bool, default=False,
         todo="zero3 casts parameters (param_dtype), not inputs: cast the batch to "
         "torch.float16 in the training loop",
+        costs="numerics",
     ),
     **_k(
         "consecutive_hysteresis", check=check_bool, default=False,
         todo="zero3's dynamic loss scaler does not refill hysteresis after clean steps",
+        costs="numerics",
     ),
-    **_k("fp16_master_weights_and_grads", check=check_bool, default=False, todo=_FP32_MASTERS),
+    **_k("fp16_master_weights_and_grads", check=check_bool, default=False, todo=_FP32_MASTERS,
+         costs="memory"),
 }  # fmt: skip
 
 BF16: dict[str, Key] = {
@@ -432,6 +450,7 @@ BF16: dict[str, Key] = {
     **_k(
         "bf16_master_weights_and_grads", "bf16_optimizer_states", check=check_bool,
         default=False, todo=_FP32_MASTERS,
+        costs="memory",
     ),
 }  # fmt: skip
 
@@ -441,6 +460,7 @@ DATA_TYPES: dict[str, Key] = {
     **_k(
         "buffer_dtype", check=dtype_name,
         todo="zero3 keeps buffers in their dtype: cast them (module.to) before shard_module",
+        costs="numerics",
     ),
 }  # fmt: skip
 
@@ -479,11 +499,13 @@ TOP: dict[str, Key] = {
         "prescale_gradients", check=check_bool, default=False,
         todo="zero3 averages gradients with the backend's AVG reduction (same mean; "
         "for fp16 overflow in the sum use communication_data_type fp32)",
+        costs="numerics",
     ),
     **_k(
         "gradient_predivide_factor", check=_positive, default=1.0, active=lambda v: v != 1.0,
         todo="zero3 averages gradients with the backend's AVG reduction (same mean; "
         "for fp16 overflow in the sum use communication_data_type fp32)",
+        costs="numerics",
     ),
     **_k(
         "gradient_allreduce_op", check=_string, default="mean",
@@ -492,7 +514,8 @@ TOP: dict[str, Key] = {
         "averages gradients over the ranks",
     ),
     **_k("activation_checkpointing", **_LOOP,
-         todo="checkpoint inside the model with torch.utils.checkpoint (use_reentrant=False)"),
+         todo="checkpoint inside the model with torch.utils.checkpoint (use_reentrant=False)",
+         costs="memory"),
     **_k("checkpoint", **_LOOP,
          todo="save and load with zero3's checkpoints (full_state_dict, optimizer state)"),
     **_k("tensorboard", "wandb", "csv_monitor", "comet", **_OFF, todo="log from the loop"),
@@ -509,20 +532,22 @@ TOP: dict[str, Key] = {
     **_k("log_level", check=_string, loop=True, active=_always,
          todo="set logging levels in the loop (zero3 logs on 'zero3.*' loggers)"),
     **_k("data_efficiency", "curriculum_learning", **_OFF,
-         todo="the loop owns data sampling"),
-    **_k("progressive_layer_drop", **_OFF, todo="the model must implement layer drop"),
+         todo="the loop owns data sampling", costs="numerics"),
+    **_k("progressive_layer_drop", **_OFF, todo="the model must implement layer drop",
+         costs="numerics"),
     **_k("eigenvalue", "quantize_training", "compression_training", "weight_quantization",
          check=_section, active=_present,
-         todo="DeepSpeed's compression library is not part of zero3"),
+         todo="DeepSpeed's compression library is not part of zero3", costs="numerics"),
     **_k("sparse_attention", check=_section, active=_present,
-         todo="sparse attention belongs to the model's code"),
+         todo="sparse attention belongs to the model's code", costs="numerics"),
     **_k("pipeline", check=_section, active=_present,
          todo="settings of DeepSpeed's PipelineModule, which zero3 does not have"),
     **_k("torch_autocast", **_OFF,
-         todo="wrap the forward in torch.autocast(device_type, dtype) in the loop"),
+         todo="wrap the forward in torch.autocast(device_type, dtype) in the loop",
+         costs="numerics"),
     **_k("amp", **_OFF,
          todo="Apex AMP is not used: set param_dtype (bf16/fp16 sections) or wrap the "
-         "forward in torch.autocast"),
+         "forward in torch.autocast", costs="numerics"),
     **_k("graph_harvesting", check=check_bool, default=False, todo=_NOTHING),
     **_k("sparse_gradients", check=check_bool, default=False,
          todo="zero3 reduces dense gradients (same values)"),
