@@ -16,8 +16,9 @@
 Run it under ``torchrun --nproc-per-node N``.
 """
 
+from zero3.hf._args import Zero3TrainingArguments
 from zero3.hf._config import Zero3ConfigLike
 from zero3.hf._pretrained import sharded_from_pretrained
 from zero3.hf._trainer import Zero3Trainer
 
-__all__ = ["Zero3ConfigLike", "Zero3Trainer", "sharded_from_pretrained"]
+__all__ = ["Zero3ConfigLike", "Zero3Trainer", "Zero3TrainingArguments", "sharded_from_pretrained"]

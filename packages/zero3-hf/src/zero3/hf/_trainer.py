@@ -45,6 +45,7 @@ from transformers.training_args import ParallelMode
 
 from zero3.core import Zero3Config
 from zero3.core.engine import checkpoint_group, raise_on_every_rank, try_sharded_state
+from zero3.hf._args import take_deepspeed
 from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, scheduler_text, zero3_dir
 from zero3.hf._config import (
     Zero3ConfigLike,
@@ -75,11 +76,6 @@ _CONSOLIDATING = ".zero3-consolidating"
 
 def _refuse_unsupported(args: TrainingArguments) -> None:
     problems = []
-    if args.deepspeed:
-        problems.append(
-            "TrainingArguments.deepspeed is set: Zero3Trainer replaces DeepSpeed; pass the "
-            "DeepSpeed config as Zero3Trainer(zero3_config=...) and leave deepspeed unset"
-        )
     if args.fsdp:
         problems.append("TrainingArguments.fsdp is set: zero3 shards the model itself")
     if args.torch_compile:
@@ -108,8 +104,12 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
     fp16 loss scaling), as the DeepSpeed integration does, instead of autocast.
     Checkpoints (``save_steps``, ``save_strategy``) are DCP checkpoints in the
     Trainer's ``checkpoint-{step}`` folders that ``resume_from_checkpoint`` loads at any
-    world size; :meth:`save_model` writes consolidated safetensors and ``config.json``
-    without gathering the model on one rank.
+    world size, beside ``config.json`` and the tokenizer (and, with the DeepSpeed
+    config's ``stage3_gather_16bit_weights_on_model_save``, the consolidated weights:
+    ``from_pretrained`` then loads the folder); :meth:`save_model` writes consolidated
+    safetensors and ``config.json`` without gathering the model on one rank. A
+    DeepSpeed config may also come as ``TrainingArguments(deepspeed=...)`` (or
+    :class:`~zero3.hf.Zero3TrainingArguments` without DeepSpeed installed).
 
     Args:
         model: A model (sharded here, after ``torch.distributed`` is set up from
@@ -119,14 +119,16 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         *trainer_args: The Trainer's other positional arguments.
         zero3_config: A :class:`~zero3.core.Zero3Config`, or a DeepSpeed JSON config
             (path or dict) whose ``"auto"`` values are filled from ``args`` as
-            transformers fills them for DeepSpeed; default ``Zero3Config()``.
+            transformers fills them for DeepSpeed; default: ``args.deepspeed`` if set,
+            else ``Zero3Config()``.
         **trainer_kwargs: The Trainer's other keyword arguments (``optimizers`` must be
             a PartitionedOptimizer over the sharded model, if given).
 
     Raises:
-        ValueError: DeepSpeed, FSDP, torch.compile or tensor parallelism requested; a
-            DeepSpeed config value that differs from its TrainingArguments value; a
-            precision or clipping setting of ``zero3_config`` that contradicts ``args``.
+        ValueError: FSDP, torch.compile or tensor parallelism requested; a DeepSpeed
+            config given both as ``args.deepspeed`` and ``zero3_config``; a DeepSpeed
+            config value that differs from its TrainingArguments value; a precision or
+            clipping setting of ``zero3_config`` that contradicts ``args``.
     """
 
     # Set by transformers.Trainer (untyped to mypy); declared for the methods below.
@@ -144,6 +146,14 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
     ) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
+        args, from_args = take_deepspeed(args)  # deepspeed="ds.json": zero3 reads it
+        if from_args is not None:
+            if zero3_config is not None:
+                raise ValueError(
+                    "Zero3Trainer: the DeepSpeed config is given twice, as "
+                    "TrainingArguments.deepspeed and as zero3_config=; keep one"
+                )
+            zero3_config = from_args
         _refuse_unsupported(args)
         self._zero3_source = zero3_config
         #: The Zero3Config the model is sharded with.
@@ -337,6 +347,7 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             self.save_model(output_dir, _internal_call=True)
         else:
             self._save_zero3_checkpoint(output_dir)
+            self._save_pretrained_files(output_dir)
         if (
             self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
             and self.state.best_global_step
@@ -376,6 +387,27 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         if self.lr_scheduler is not None:
             extra["scheduler"] = scheduler_text(self.lr_scheduler)
         save_checkpoint(zero3_dir(output_dir), self.model, self._require_optimizer(), extra=extra)
+
+    def _save_pretrained_files(self, output_dir: str) -> None:
+        """What DeepSpeed's Trainer checkpoints hold beside its own state, so that
+        ``from_pretrained(checkpoint-N)`` works as there: ``config.json``, the tokenizer
+        and ``training_args.bin``, and with ``stage3_gather_16bit_weights_on_model_save``
+        the weights, consolidated by rank 0 from the checkpoint just written (one tensor
+        at a time; no rank gathers the model). A collective: it raises on every rank.
+        """
+        error: BaseException | None = None
+        if self.args.process_index == 0:
+            try:
+                if gathers_weights_on_save(self.zero3_config):
+                    consolidate_checkpoint(zero3_dir(output_dir), output_dir)
+                else:
+                    config = getattr(self.model, "config", None)
+                    if callable(getattr(config, "save_pretrained", None)):
+                        config.save_pretrained(output_dir)  # type: ignore[union-attr]
+                self._save_extras(output_dir)
+            except Exception as exc:
+                error = exc
+        raise_on_every_rank(checkpoint_group(self.model), error)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """Called by ``train()`` before the optimizer exists: only check that the folder
@@ -459,6 +491,23 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+#: DeepSpeed's names for "save 16-bit weights with the model" (zero_optimization).
+_GATHER_ON_SAVE = tuple(
+    f"zero_optimization.{key}"
+    for key in (
+        "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+    )
+)
+
+
+def gathers_weights_on_save(config: Zero3Config | None) -> bool:
+    """Whether the DeepSpeed config asked for weights in every checkpoint folder."""
+    extras = config.extras if config is not None else {}
+    return any(extras.get(key) is True for key in _GATHER_ON_SAVE)
 
 
 def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:

@@ -1,5 +1,13 @@
 """zero3-consolidate: a sharded checkpoint to full weights in the transformers layout.
 
+Note (the tokenizer beside the weights):
+    A Trainer checkpoint folder (``checkpoint-N``, as Zero3Trainer writes it) holds the
+    tokenizer's files beside its ``zero3`` checkpoint, and ``from_pretrained`` of the
+    output wants them too. So the files a tokenizer or processor writes with
+    ``save_pretrained`` (:data:`PROCESSING_FILES`), found in the folder that holds the
+    checkpoint, are copied into the output. ``checkpoint`` may also name that folder
+    itself (its ``zero3`` directory is read).
+
 Note (one tensor at a time):
     The output is what ``save_pretrained`` writes: ``model.safetensors``, or past the
     size limit ``model-0000k-of-0000n.safetensors`` files plus
@@ -20,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import struct
 import sys
 from collections.abc import Sequence
@@ -44,6 +53,15 @@ _ST_DTYPE = {
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+#: What a tokenizer, processor or generation config writes with ``save_pretrained``:
+#: copied from the folder holding the checkpoint into the output (see the Note).
+PROCESSING_FILES = (
+    "tokenizer*.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.*", "merges.txt", "spiece.model", "sentencepiece*.model", "chat_template.*",
+    "preprocessor_config.json", "processor_config.json", "generation_config.json",
+)  # fmt: skip
+#: The zero3 checkpoint inside a Trainer checkpoint folder (zero3.hf's layout).
+TRAINER_CHECKPOINT_DIR = "zero3"
 
 
 def parse_size(size: int | str) -> int:
@@ -134,7 +152,9 @@ def consolidate_checkpoint(
     memory at a time. One process, no torch.distributed.
 
     Args:
-        checkpoint: A directory written by :func:`~zero3.optim.save_checkpoint`.
+        checkpoint: A directory written by :func:`~zero3.optim.save_checkpoint`, or a
+            Trainer ``checkpoint-N`` folder holding one. The tokenizer's files found
+            beside it are copied into ``out`` (module Note).
         out: The output directory (created; existing weight files are replaced).
         dtype: Output dtype of floating-point tensors (``torch.float32`` or
             ``"float32"``, ``"bfloat16"``, ``"float16"``); default: the model's own.
@@ -143,7 +163,7 @@ def consolidate_checkpoint(
             and an index (``"5GB"``, ``"40KB"``, or an int).
 
     Returns:
-        The files written (weights, index, config).
+        The files written (weights, index, config, tokenizer files).
 
     Raises:
         CheckpointError: The checkpoint is missing, incomplete, corrupted or not zero3's.
@@ -152,7 +172,8 @@ def consolidate_checkpoint(
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
-    reader = CheckpointReader(checkpoint)
+    source = _inside_trainer_folder(Path(checkpoint))
+    reader = CheckpointReader(source)
     tensors = _plan(reader, dtype)
     groups = _files(tensors, parse_size(max_shard_size))
     target = Path(out)
@@ -179,7 +200,28 @@ def consolidate_checkpoint(
         path = target / "config.json"
         path.write_text(config + "\n")
         written.append(path)
-    return written
+    return written + _copy_processing_files(source.parent, target)
+
+
+def _inside_trainer_folder(path: Path) -> Path:
+    """A Trainer checkpoint folder stands for the zero3 checkpoint inside it."""
+    inner = path / TRAINER_CHECKPOINT_DIR
+    if inner.is_dir() and not (path / ".metadata").exists():
+        return inner
+    return path
+
+
+def _copy_processing_files(folder: Path, target: Path) -> list[Path]:
+    """The tokenizer's (processor's) files of ``folder``, copied into ``target``."""
+    if folder.resolve() == target.resolve():
+        return []
+    copied = []
+    for pattern in PROCESSING_FILES:
+        for source in sorted(folder.glob(pattern)):
+            if source.is_file():
+                shutil.copyfile(source, target / source.name)
+                copied.append(target / source.name)
+    return copied
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,11 +231,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=(
             "Write a zero3 checkpoint's full weights as safetensors in the transformers "
             "layout (model.safetensors, or several files and an index), plus config.json "
-            "when the model's config is known. Reads one tensor at a time, from the fp32 "
-            "masters when the checkpoint has them."
+            "when the model's config is known and the tokenizer's files found beside the "
+            "checkpoint (a Trainer checkpoint-N folder). Reads one tensor at a time, from "
+            "the fp32 masters when the checkpoint has them."
         ),
     )
-    parser.add_argument("checkpoint", help="a directory written by zero3.optim.save_checkpoint")
+    parser.add_argument(
+        "checkpoint",
+        help="a directory written by zero3.optim.save_checkpoint, or a Trainer checkpoint-N "
+        "folder holding one",
+    )
     parser.add_argument("out", help="the output directory")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="dtype of floating-point weights (default: the model's)")  # fmt: skip
