@@ -33,7 +33,7 @@ class Zero3TrainingArguments(TrainingArguments):  # type: ignore[misc]
     is for :class:`~zero3.hf.Zero3Trainer`, which reads it as ``zero3_config``, instead
     of starting DeepSpeed: a DeepSpeed script keeps its config line and runs without
     DeepSpeed installed. After construction ``deepspeed`` is None (transformers and
-    accelerate never see it) and the config is in :attr:`zero3_deepspeed`.
+    accelerate never see it) and the config is in ``zero3_deepspeed``.
     """
 
     zero3_deepspeed: dict[str, Any] | str | None = dataclasses.field(
