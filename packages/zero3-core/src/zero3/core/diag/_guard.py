@@ -65,6 +65,8 @@ class OpKind(enum.IntEnum):
     SYNC = 6  #: merging in-place edits and rank 0's buffers
     FULL_GRAD = 7  #: ``full_grad``
     LOAD = 8  #: ``load_full_state_dict``
+    UNSHARDED = 9  #: entering ``zero3.hooks.unsharded``
+    VOTE = 10  #: a vote every rank casts (``generate``'s "all ranks finished?")
 
     def describe(self) -> str:
         """Words for messages."""
@@ -73,11 +75,13 @@ class OpKind(enum.IntEnum):
             OpKind.FETCH: "gathered a module's parameters",
             OpKind.PREFETCH: "prefetched parameters",
             OpKind.GATHERED: "gathered parameters outside forward/backward "
-            "(gathered_parameters, full_state_dict)",
+            "(gathered_parameters, full_state_dict, unsharded, iter_full_parameters)",
             OpKind.REFRESH: "refreshed whole parameters after an optimizer step",
             OpKind.SYNC: "synchronised edits and buffers at the end of a step",
             OpKind.FULL_GRAD: "called full_grad",
             OpKind.LOAD: "called load_full_state_dict",
+            OpKind.UNSHARDED: "entered zero3.hooks.unsharded",
+            OpKind.VOTE: "voted whether every rank finished generating (generate)",
         }[self]
 
 
@@ -221,6 +225,35 @@ class CollectiveGuard:
             return
         raise FingerprintMismatchError(self._explain(rows))
 
+    def vote(self, op: Op, value: int) -> list[int]:
+        """Exchange ``op`` carrying this rank's ``value`` (in its ``nbytes`` word): every
+        rank's value, after checking that all ranks announced the same ``op`` otherwise.
+
+        One small host collective that is both the vote and its header, so a rank that
+        votes while a peer issues another zero3 collective fails at once, as
+        :meth:`check` does. The caller must know the guard is :attr:`active`.
+
+        Raises:
+            FingerprintMismatchError: A rank announced something else.
+        """
+        channel = self.channel
+        assert channel is not None
+        mine = dataclasses.replace(op, nbytes=value).encode()
+        out = torch.empty(channel.world_size * _WORDS, dtype=torch.int64)
+        with waiting_for(
+            lambda: (
+                f"rank {self.rank} timed out before {self.describe(op)}: a peer never "
+                f"issued its next zero3 collective ({self.last_words()})"
+            )
+        ):
+            channel.all_gather(out, mine).wait()
+        self.exchanges += 1
+        rows = out.view(channel.world_size, _WORDS).tolist()
+        if all(row[:4] == rows[0][:4] for row in rows):
+            self.last_agreed = op
+            return [row[4] for row in rows]
+        raise FingerprintMismatchError(self._explain(rows))
+
     def _explain(self, rows: list[list[int]]) -> str:
         ops = [Op.decode(row) for row in rows]
         lines = []
@@ -254,10 +287,17 @@ def _likely_cause(ops: list[Op]) -> str:
             "call it on every rank, each with the full state dict (torch.load(..., "
             "mmap=True) keeps that cheap)."
         )
-    if kinds & {OpKind.GATHERED, OpKind.FULL_GRAD} and len(kinds) > 1:
+    if kinds & {OpKind.GATHERED, OpKind.FULL_GRAD, OpKind.UNSHARDED} and len(kinds) > 1:
         causes.append(
-            "a collective helper (full_state_dict, gathered_parameters, full_grad) was "
-            "called on some ranks only; every rank must call it, in the same order."
+            "a collective helper (full_state_dict, gathered_parameters, full_grad, "
+            "unsharded, iter_full_parameters) was called on some ranks only, or a rank "
+            "stopped iterating iter_full_parameters early; every rank must call it, in the "
+            "same order, and consume the whole iterator."
+        )
+    if OpKind.VOTE in kinds and len(kinds) > 1:
+        causes.append(
+            "some ranks are generating (generate syncs every rank after each token) while "
+            "others run something else: call generate on every rank."
         )
     if len(steps) > 1:
         causes.append(

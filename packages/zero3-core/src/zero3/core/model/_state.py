@@ -25,9 +25,10 @@ from zero3.core.diag._tracer import Tracer
 from zero3.core.grads._reducer import GradReducer
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
+from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
 from zero3.core.params import _params
 from zero3.core.params._broadcast import broadcast_from_rank0
-from zero3.core.params._coordinator import GATHERED_PARAMETERS, ParamCoordinator
+from zero3.core.params._coordinator import GATHERED_PARAMETERS, UNSHARDED, ParamCoordinator
 from zero3.core.params._params import ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
 
@@ -328,15 +329,75 @@ class ShardedModelState:
 
     # -- gathering outside the hooks -------------------------------------------------------
 
-    def pin(self, params: Sequence[ShardedParam]) -> None:
+    def pin(self, params: Sequence[ShardedParam], purpose: int = GATHERED_PARAMETERS) -> None:
         """Gather ``params`` and keep them whole across steps until :meth:`unpin`
-        (``gathered_parameters``; a collective).
+        (``gathered_parameters``; a collective). ``purpose`` names the caller in headers
+        and fingerprints (``zero3.core.params._coordinator``'s pseudo-module indices).
         """
-        self.coordinator.fetch_params(params, GATHERED_PARAMETERS, self.step.moment(), pin=True)
+        self.coordinator.fetch_params(params, purpose, self.step.moment(), pin=True)
 
     def unpin(self, params: Sequence[ShardedParam]) -> None:
         """Drop :meth:`pin`'s hold; parameters no module holds are released."""
         self.coordinator.release_params(params, pin=True)
+
+    def open_unsharded(self, max_bytes: int | None) -> UnshardedPlan:
+        """Begin a ``zero3.hooks.unsharded`` block (a collective): plan what it keeps
+        gathered (``zero3.core.model._unshard``), check that every rank enters the same
+        block, and gather it in runs of at most ``prefetch_bucket_size`` elements.
+
+        Raises:
+            RuntimeError: A block or a step is open (:meth:`TrainingStep.enter_unsharded`).
+            FingerprintMismatchError: The ranks do not all enter the same block.
+        """
+        self.step.enter_unsharded()
+        plan = plan_unsharded(self.coordinator, self.params, max_bytes)
+        pinned: list[ShardedParam] = []
+        try:
+            at = self.step.moment()
+            op = Op(OpKind.UNSHARDED, at.step, int(at.phase), UNSHARDED, plan.digest,
+                    -1 if max_bytes is None else max_bytes)  # fmt: skip
+            self.guard.check(op)
+            self.coordinator.traces["unsharded"].invalidate()
+            self.coordinator.cap_bytes = plan.cap_bytes
+            for piece in chunks(plan.pinned, max(1, self.config.prefetch_bucket_size)):
+                pinned.extend(piece)
+                self.pin(piece, UNSHARDED)
+        except BaseException:
+            self._end_unsharded(pinned, clean=False)
+            raise
+        return plan
+
+    def close_unsharded(self, plan: UnshardedPlan, *, clean: bool) -> None:
+        """End a block: with ``clean`` (every rank leaves it normally; a collective) merge
+        the edits made inside it and rank 0's buffers first, then release what it kept.
+        A block left by an exception only releases (no collective a peer may not join).
+        """
+        self._end_unsharded(plan.pinned, clean=clean)
+
+    def _end_unsharded(self, pinned: Sequence[ShardedParam], *, clean: bool) -> None:
+        self.coordinator.cap_bytes = None
+        try:
+            if clean:
+                self.synchronize()
+        finally:
+            self.unpin(pinned)
+            self.step.exit_unsharded()
+
+    def all_finished(self, done: bool) -> bool:
+        """Whether every rank is ``done``: a vote every rank casts (``generate``'s stopping
+        rule), on the header channel where there is one, so a rank that votes while a
+        peer issues another zero3 collective fails at once. A collective.
+        """
+        if self.comm.world_size == 1:
+            return done
+        self.stats.current.other_collectives += 1
+        if self.guard.active:
+            op = Op(OpKind.VOTE, self.step.number, int(self.step.moment().phase))
+            return all(self.guard.vote(op, int(done)))
+        flag = torch.tensor([0.0 if done else 1.0], device=self.comm.device())
+        with waiting_for(lambda: f"rank {self.comm.rank} timed out in generate's stopping vote"):
+            self.comm.all_reduce(flag, op=ReduceOp.SUM).wait()
+        return float(flag.item()) == 0.0
 
     def add_external(self, module: nn.Module, sp: ShardedParam) -> None:
         """``module``'s forward uses ``sp``, which it does not own: gather it with it."""
