@@ -83,9 +83,12 @@ class ShardedGeneration(ShardedModule):
         if state.comm.world_size > 1:
             args, kwargs = _synced(args, kwargs)
         if state.step.unsharded:
-            return parent.generate(*args, **kwargs)
-        with unsharded(self, max_bytes=window_bytes(state)):  # type: ignore[arg-type]
-            return parent.generate(*args, **kwargs)
+            out = parent.generate(*args, **kwargs)
+        else:
+            with unsharded(self, max_bytes=window_bytes(state)):  # type: ignore[arg-type]
+                out = parent.generate(*args, **kwargs)
+        state.settle_votes()  # nothing of zero3's left in flight
+        return out
 
     def _has_unfinished_sequences(
         self, this_peer_finished: bool, synced_gpus: bool, device: Any

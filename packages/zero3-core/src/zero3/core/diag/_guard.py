@@ -34,9 +34,10 @@ from typing import NamedTuple
 
 import torch
 
-from zero3.comm import CommBackend, CommTimeoutError
+from zero3.comm import CommBackend, CommTimeoutError, Work
 
 __all__ = [
+    "Ballot",
     "CollectiveGuard",
     "FingerprintMismatchError",
     "Moment",
@@ -225,34 +226,21 @@ class CollectiveGuard:
             return
         raise FingerprintMismatchError(self._explain(rows))
 
-    def vote(self, op: Op, value: int) -> list[int]:
-        """Exchange ``op`` carrying this rank's ``value`` (in its ``nbytes`` word): every
-        rank's value, after checking that all ranks announced the same ``op`` otherwise.
+    def cast(self, op: Op, value: int) -> Ballot:
+        """Start exchanging ``op`` carrying this rank's ``value`` (in its ``nbytes``
+        word); :meth:`Ballot.result` waits for every rank's value and checks that all
+        ranks announced the same ``op`` otherwise.
 
         One small host collective that is both the vote and its header, so a rank that
-        votes while a peer issues another zero3 collective fails at once, as
-        :meth:`check` does. The caller must know the guard is :attr:`active`.
-
-        Raises:
-            FingerprintMismatchError: A rank announced something else.
+        votes while a peer issues another zero3 collective fails, as :meth:`check` does.
+        The caller must know the guard is :attr:`active`.
         """
         channel = self.channel
         assert channel is not None
-        mine = dataclasses.replace(op, nbytes=value).encode()
         out = torch.empty(channel.world_size * _WORDS, dtype=torch.int64)
-        with waiting_for(
-            lambda: (
-                f"rank {self.rank} timed out before {self.describe(op)}: a peer never "
-                f"issued its next zero3 collective ({self.last_words()})"
-            )
-        ):
-            channel.all_gather(out, mine).wait()
+        work = channel.all_gather(out, dataclasses.replace(op, nbytes=value).encode())
         self.exchanges += 1
-        rows = out.view(channel.world_size, _WORDS).tolist()
-        if all(row[:4] == rows[0][:4] for row in rows):
-            self.last_agreed = op
-            return [row[4] for row in rows]
-        raise FingerprintMismatchError(self._explain(rows))
+        return Ballot(self, op, work, out)
 
     def _explain(self, rows: list[list[int]]) -> str:
         ops = [Op.decode(row) for row in rows]
@@ -270,6 +258,36 @@ class CollectiveGuard:
             + f"\nLikely cause: {_likely_cause([o for o in ops if o is not None])}\n"
             + f"({self.last_words()}.)"
         )
+
+
+class Ballot:
+    """A vote in flight (:meth:`CollectiveGuard.cast`)."""
+
+    def __init__(self, guard: CollectiveGuard, op: Op, work: Work, out: torch.Tensor) -> None:
+        self._guard = guard
+        self._op = op
+        self._work = work
+        self._out = out
+
+    def result(self) -> list[int]:
+        """Every rank's value, once all ranks voted.
+
+        Raises:
+            FingerprintMismatchError: A rank announced something else.
+        """
+        guard = self._guard
+        with waiting_for(
+            lambda: (
+                f"rank {guard.rank} timed out in {guard.describe(self._op)}: a peer never "
+                f"issued its next zero3 collective ({guard.last_words()})"
+            )
+        ):
+            self._work.wait()
+        rows = self._out.view(-1, _WORDS).tolist()
+        if all(row[:4] == rows[0][:4] for row in rows):
+            guard.last_agreed = self._op
+            return [row[4] for row in rows]
+        raise FingerprintMismatchError(guard._explain(rows))
 
 
 def _likely_cause(ops: list[Op]) -> str:
