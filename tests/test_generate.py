@@ -129,3 +129,73 @@ def test_generate_inside_unsharded_runs_near_plain_speed(worker_pool, name):
     for r in worker_pool(2).run(_speed, name, timeout=180):
         assert r["ratio"] >= 0.5, r
         assert r["gathers"] > 0, r
+
+
+def _policy_loss(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """A REINFORCE-style loss: the reward (share of even tokens) times the completion's
+    log-probability, averaged over rows.
+    """
+    logits = model(input_ids=seqs).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, seqs[:, 1:, None])[..., 0]
+    completion = seqs[:, prompt_len:]
+    reward = (completion % 2 == 0).float().mean(-1) - 0.5
+    return -(reward * logp[:, prompt_len - 1 :].sum(-1)).mean()
+
+
+def _rl_loop() -> dict[str, object]:
+    from zero3.core.engine import TraceState
+    from zero3.hooks import full_state_dict
+    from zero3.optim import PartitionedOptimizer
+
+    comm = GlooBackend(timeout_s=60)
+    world, rank = comm.world_size, comm.rank
+    model = _generating("gpt2")
+    reference = copy.deepcopy(model)
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
+    # SGD: Adam's per-element normalisation would blow 1e-7 reduction-order differences
+    # of near-zero gradients up to the learning rate.
+    opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    prompts = [_prompt(r, 7).repeat(2, 1) + torch.tensor([[0], [1]]) for r in range(world)]
+    same_rollouts, worst_loss, hit_rates, traces, rollouts = True, 0.0, [], [], []
+    for _ in range(3):
+        with unsharded(model):  # rollout: generate inside the block
+            seqs = model.generate(prompts[rank], **kwargs)
+        ref_seqs = [reference.generate(p, **kwargs) for p in prompts]  # one process
+        same_rollouts &= torch.equal(seqs, ref_seqs[rank])
+        rollouts.append(seqs[:, 4:].tolist())
+        loss = _policy_loss(model, seqs, 4)  # score, backward, step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = _policy_loss(reference, torch.cat(ref_seqs), 4)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        worst_loss = max(worst_loss, abs(mean.item() / world - ref_loss.item()))
+        hit_rates.append(stats(model).prefetch_hit_rate)
+        traces.append(sharded_state(model).coordinator.traces["train"].state is TraceState.COMPLETE)
+    full = full_state_dict(model)
+    expected = reference.state_dict()
+    worst_weight = max((full[k] - expected[k]).abs().max().item() for k in full)
+    return {
+        "same_rollouts": same_rollouts,
+        "worst_loss": worst_loss,
+        "worst_weight": worst_weight,
+        "hit_rates": hit_rates,
+        "traces": traces,
+        "gathers": stats(model).gathers,
+        "changed": rollouts[0] != rollouts[-1],
+    }
+
+
+def test_rollout_train_rollout_equals_one_process(worker_pool):
+    for r in worker_pool(2).run(_rl_loop, timeout=180):
+        assert r["same_rollouts"] and r["changed"], r  # training changed what it generates
+        assert r["worst_loss"] < 1e-5 and r["worst_weight"] < 1e-5, r
+        assert r["traces"] == [True] * 3, r  # the training trace survives the rollouts
+        assert r["hit_rates"][1:] == [1.0, 1.0], r  # step 1 recorded it; later ones prefetch
+        assert r["gathers"] > 0, r
