@@ -20,20 +20,12 @@ class ShardedModule:
     module's ``zero_grad``, not the optimizer's).
 
     Note (why the class changes):
-        zero3 owns the gradients (``param.grad`` is always None on a sharded model), so
-        the window must end when the user clears gradients. torch has no hook on
-        ``nn.Module.zero_grad``, and setting an already-None ``.grad`` to None changes
-        nothing zero3 could observe. The HF Trainer (transformers 5.24) calls
-        ``model.zero_grad()`` when training starts and after every optimizer step.
-        Without the mixin, the gradients of a backward that is thrown away (a probe, a
-        batch the loop skips) stay in the window and are added to the next one's:
-        ``tools/measure_tricks.py`` runs backward A, ``model.zero_grad()``, backward B,
-        and finds the window's gradient off from B's by 1.27x B's norm with plain
-        ``nn.Module.zero_grad``, and equal to it with the mixin. The alternatives
-        change the user's object too (a ``zero_grad`` instance attribute shadowing the
-        method) or rely on every training loop calling the optimizer's ``zero_grad``.
-        FSDP2 makes the same choice: ``fully_shard`` swaps the module's class for one
-        mixing in ``FSDPModule``.
+        zero3 owns the gradients (``param.grad`` is None on a sharded model), so the
+        window must end when the user clears gradients, and torch has no hook on
+        ``nn.Module.zero_grad``; trainers (the HF Trainer) call the module's. Without the
+        mixin the gradients of a backward thrown away would be added to the next
+        window's (docs/facts.rst, "Tricks on user objects, measured"). FSDP2 swaps the
+        class the same way (``FSDPModule``).
     """
 
     def zero_grad(self, set_to_none: bool = True) -> None:

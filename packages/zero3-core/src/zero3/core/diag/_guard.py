@@ -1,27 +1,11 @@
 """Headers before size-dependent collectives: ranks that disagree fail in Python, at once.
 
-Note (why a header, and why on its own channel):
-    A parameter gather moves as many bytes as the module it is for. When ranks run
-    different code — evaluation on one rank only, uneven step counts, a collective
-    called on one rank, experts of different sizes chosen by routing — two ranks pair
-    gathers of different sizes. gloo then aborts the process whose buffer is too small
-    (``gloo::EnforceNotMet``, exit -6, no Python traceback; its peer only sees
-    "Connection reset by peer"), and NCCL may read garbage or hang. A fingerprint inside
-    the gathered bytes catches same-sized mix-ups, but nothing inside the buffer can
-    prevent a size mismatch. So before such a collective every rank exchanges a header
-    of fixed size (what it is about to do: kind, step, module, parameter set, bytes) and
-    issues the collective only if all headers agree; otherwise every rank raises
-    :class:`~zero3.core.FingerprintMismatchError` naming each rank's operation and the
-    likely cause. Headers travel on a host channel of their own (a duplicate group that
-    moves CPU tensors), so reading them never waits for a device stream, and a rank
-    whose next operation is a different collective pairs *its* header with ours and
-    fails too, instead of waiting for a timeout.
-
-Note (what a timeout can say):
-    A peer that never issues another zero3 collective (it left the loop, or is stuck in
-    user code) leaves us waiting until the channel's timeout. The error then names what
-    this rank was waiting for and the last operation every rank completed together:
-    the peers got at least that far.
+Ranks running different code pair collectives of different sizes, which nothing inside the
+bytes can catch (gloo aborts a process without a traceback, NCCL may hang). So before such
+a collective every rank exchanges a fixed-size header on a host channel of its own and
+proceeds only if all agree; otherwise every rank raises, naming each rank's operation and
+the likely cause. A timeout names what this rank waited for and the last operation every
+rank completed together. docs/architecture.rst, "The collective guard".
 """
 
 from __future__ import annotations
