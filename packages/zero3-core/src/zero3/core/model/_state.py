@@ -130,6 +130,8 @@ class ShardedModelState:
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
         self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
+        #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
+        self.unsharded_blocks = 0
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -354,6 +356,7 @@ class ShardedModelState:
             FingerprintMismatchError: The ranks do not all enter the same block.
         """
         self.step.enter_unsharded()
+        self.unsharded_blocks += 1
         plan = plan_unsharded(self.coordinator, self.params, max_bytes)
         pinned: list[ShardedParam] = []
         try:
