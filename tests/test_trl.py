@@ -184,3 +184,52 @@ def test_grpo_runs_with_sharded_rollouts_and_reference(worker_pool, tmp_path):
         assert r["ref_sharded"] and r["blocks"] >= STEPS and r["gathers"] > 0, r
         assert [h["reward"] for h in r["logs"]] == [h["reward"] for h in r["ddp_logs"]], r
         assert r["z3"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-6), r
+
+
+def _predict_with_generate(tmp: str) -> dict[str, Any]:
+    """``Seq2SeqTrainer(predict_with_generate=True)`` passes ``synced_gpus=False`` for a
+    model it does not know is sharded; zero3's generate syncs the ranks anyway.
+    """
+    _quiet()
+    import torch
+    from transformers import AutoModelForCausalLM, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from zero3.core import Zero3Config
+    from zero3.core.engine import try_sharded_state
+    from zero3.hf import zero3_trainer
+    from zero3.testing.hf_models import EOS, lm_rows, save_tiny
+
+    path = Path(tmp) / "model"
+    if torch.distributed.get_rank() == 0:
+        save_tiny("gpt2", path)
+    torch.distributed.barrier()
+    rows = [{"input_ids": r["input_ids"][:5], "labels": r["input_ids"][:5]} for r in lm_rows(6, 3)]
+
+    def args(tag: str) -> Any:
+        return Seq2SeqTrainingArguments(
+            **_common(Path(tmp) / tag), predict_with_generate=True, per_device_eval_batch_size=1
+        )
+
+    def model() -> Any:
+        m = AutoModelForCausalLM.from_pretrained(path)
+        m.generation_config.max_new_tokens = 8
+        m.generation_config.eos_token_id = EOS
+        return m
+
+    ddp = Seq2SeqTrainer(model=model(), args=args("ddp"))
+    want = ddp.predict(rows).predictions
+    z3 = zero3_trainer(Seq2SeqTrainer)(
+        model=model(), args=args("z3"), zero3_config=Zero3Config(param_persistence_threshold=0)
+    )
+    got = z3.predict(rows).predictions
+    return {
+        "equal": bool((torch.as_tensor(want) == torch.as_tensor(got)).all()),
+        "shape": [list(want.shape), list(got.shape)],
+        "blocks": try_sharded_state(z3.model).unsharded_blocks,  # type: ignore[union-attr]
+    }
+
+
+def test_zero3_trainer_predict_with_generate_syncs_ranks(worker_pool, tmp_path):
+    for r in worker_pool(2).run(_predict_with_generate, str(tmp_path), timeout=300):
+        assert r["equal"] and r["shape"][0] == r["shape"][1], r
+        assert r["blocks"] > 0, r
