@@ -1,30 +1,17 @@
 """``generate()`` on a sharded model: every rank in step, at the unsharded model's speed.
 
 Note (why the model class, not transformers' flags):
-    transformers 5.x syncs ranks during ``generate`` (``synced_gpus``) only under
-    DeepSpeed ZeRO-3 or for a model flagged ``_is_fsdp_managed_module`` (a flag that
-    changes other code paths of transformers too), and its sync is an all-reduce on
-    torch's default process group, which the mpi and cupy-nccl backends do not have
-    (docs/facts.rst, "Generation"). A sharded model's forward is a collective, so a rank
-    that stops before the others would leave them waiting in a gather. zero3 swaps the
-    class of a sharded module anyway (:class:`~zero3.hooks.ShardedModule`); for a class
-    that generates (it has transformers' ``generate`` and ``_has_unfinished_sequences``,
-    found by duck typing: zero3.hooks does not import transformers) the swapped-in class
-    also mixes in :class:`ShardedGeneration`, which turns the sync on and casts its
-    vote through zero3's own comm (:meth:`ShardedModelState.all_finished
-    <zero3.core.engine.ShardedModelState.all_finished>`). A rank that finished keeps
-    running forwards without adding tokens (transformers' own ``synced_gpus`` loop), so
-    its output equals plain ``generate``'s.
+    transformers syncs ranks in ``generate`` only under DeepSpeed ZeRO-3 or for a model
+    flagged ``_is_fsdp_managed_module``, on torch's default group (which the mpi and
+    cupy-nccl backends lack). The class zero3 swaps in mixes in
+    :class:`ShardedGeneration` when it generates (duck-typed), which turns the sync on
+    over zero3's comm; docs/generation.rst, "How generate runs".
 
-Note (why generate opens an unsharded block):
-    A decoding step is a forward of one token; gathering and releasing every module for
-    each token costs 7-8x the unsharded model's time on small models (measured, issue
-    26). Inside :func:`~zero3.hooks.unsharded` the kept parameters are gathered once per
-    ``generate`` and their modules run without hooks. The block keeps what the reuse
-    window allows (``min(max_reuse_distance, max_live_parameters)`` elements, the bound
-    a training step already keeps gathered) and gathers the rest per use, so a model
-    larger than its window is never whole on a rank; everything goes back to the shards
-    when ``generate`` returns, with no collective left pending.
+Note (votes):
+    Where forwards gather (a block that keeps only part of the model), a rank that is
+    done must keep running them with its peers, so the ranks vote after each token
+    (``ShardedModelState.all_finished``). In a block that keeps every parameter,
+    forwards issue no collective: each rank stops alone and they meet at its exit.
 """
 
 from __future__ import annotations
@@ -93,11 +80,16 @@ class ShardedGeneration(ShardedModule):
     def _has_unfinished_sequences(
         self, this_peer_finished: bool, synced_gpus: bool, device: Any
     ) -> bool:
-        """Transformers' stopping rule, with the ranks' vote cast through zero3's comm."""
+        """Transformers' stopping rule, with the ranks' vote cast through zero3's comm;
+        no vote while every parameter is kept gathered (the module Note "votes").
+        """
         state = try_sharded_state(self)  # type: ignore[arg-type]
         if state is None or state.comm.world_size == 1 or not synced_gpus:
             parent: Any = super()
             return bool(parent._has_unfinished_sequences(this_peer_finished, synced_gpus, device))
+        plan = state.unsharded_plan
+        if plan is not None and plan.complete:
+            return not this_peer_finished  # forwards issue no collective: each rank stops alone
         return not state.all_finished(bool(this_peer_finished))
 
 

@@ -142,13 +142,11 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
 class ParkedHook:
     """A module hook taken out of its module's hook dict, to be put back where it was.
 
-    Note (why in place, not removed and registered again):
-        A hook registered again goes after every hook registered since, and the order
-        matters: transformers installs output-capturing forward hooks once, on the
-        first forward; ours must stay before them, or what they capture would miss the
-        pre-backward hook zero3 welds onto outputs. So the entry is popped from the dict
-        the handle points at (and from its flag dicts) and later put back under the same
-        key, in its old place among the hooks still there (``OrderedDict.move_to_end``).
+    Note (in place, not registered again):
+        A hook registered again would run after every hook added since, such as
+        transformers' output-capturing hooks (installed on the first forward), which
+        would then capture outputs without zero3's pre-backward hook. The entry goes
+        back under its key, in its old place (``OrderedDict.move_to_end``).
     """
 
     def __init__(self, handle: RemovableHandle) -> None:

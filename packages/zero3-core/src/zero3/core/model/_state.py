@@ -132,6 +132,8 @@ class ShardedModelState:
         self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
         #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
         self.unsharded_blocks = 0
+        #: The plan of the ``unsharded`` block open now, if any.
+        self.unsharded_plan: UnshardedPlan | None = None
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -372,6 +374,7 @@ class ShardedModelState:
         except BaseException:
             self._end_unsharded(pinned, clean=False)
             raise
+        self.unsharded_plan = plan
         return plan
 
     def close_unsharded(self, plan: UnshardedPlan, *, clean: bool) -> None:
@@ -383,6 +386,7 @@ class ShardedModelState:
 
     def _end_unsharded(self, pinned: Sequence[ShardedParam], *, clean: bool) -> None:
         self.coordinator.cap_bytes = None
+        self.unsharded_plan = None
         try:
             if clean:
                 self.synchronize()
@@ -394,18 +398,11 @@ class ShardedModelState:
         """Whether every rank is ``done``: ``generate``'s stopping vote, a collective every
         rank casts once per decoding step.
 
-        Note (a vote that costs the ranks still generating nothing):
-            A synchronous vote per token cost ~0.5-0.9 ms on gloo here, about a tiny
-            model's whole decoding step, and it ties every token to the slowest rank's.
-            Only a rank that is done needs the answer now (it may be the last); a rank
-            still generating knows the answer is "no". So a rank that is not done casts
-            its vote and returns at once, leaving up to ``_VOTES_IN_FLIGHT`` votes in
-            flight (checked in order later), and a rank that is done waits for all of
-            its votes, the last one included. Every rank still decides alike: the
-            answer can be "yes" only when every rank voted done, and then every rank
-            waited for that same vote. The vote goes on the header channel where there
-            is one (a rank voting while a peer issues another zero3 collective fails),
-            else on the parameter comm.
+        Note (votes left in flight):
+            A rank still generating knows the answer ("no"): it casts its vote and
+            returns, leaving up to ``_VOTES_IN_FLIGHT`` in flight; a rank that is done
+            waits for all of its votes. The answer is "yes" only when every rank voted
+            done, and then every rank waited for that vote, so all decide alike.
         """
         if self.comm.world_size == 1:
             return done

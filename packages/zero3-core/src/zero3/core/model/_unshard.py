@@ -1,23 +1,15 @@
 """What a ``zero3.hooks.unsharded`` block gathers, and which hooks it can do without.
 
-Note (why the hooks go, not just the gathers):
-    With every parameter gathered and the hooks still installed, a tiny GPT-2 generated
-    2-4x slower than the same model unsharded; with the hooks removed, 0.94-1.00x
-    (docs/facts.rst, "Generation"). On small shapes the per-module machinery (the hook
-    calls, the step's bookkeeping, the trace check, the parameter-read dict) costs more
-    than the model. So a block takes out the forward hooks of every module whose
-    parameters it keeps gathered, not just their gathers.
+Note (the hooks go with the gathers):
+    With every parameter gathered but the hooks installed, a tiny GPT-2 generated 2-4x
+    slower than unsharded; without them at its speed (docs/facts.rst, "Generation").
+    So a block takes out the forward hooks of every module whose parameters it keeps.
 
 Note (a budget):
-    With ``max_bytes`` the block keeps a prefix of the parameters in trace order (the
-    order forwards use them) gathered, at most ``cap`` bytes, where ``cap`` leaves room
-    for the widest module's fetch beyond its largest parameter; the other modules keep
-    their hooks and gather per use, with prefetches that never take the gathered bytes
-    past ``cap`` and no reuse window (a module releases on exit). The module running
-    may add its own parameters on top, so the gathered bytes stay within ``max_bytes``
-    plus the largest parameter as long as no module holds parameters of its own while a
-    child that gathers per use runs (the root and outer modules come first in trace
-    order, so they are the ones kept).
+    With ``max_bytes`` a block keeps a prefix of the trace order within ``cap`` (the
+    budget less the widest module's fetch beyond its largest parameter); the other
+    modules gather per use, prefetching within ``cap``, releasing on exit. The bound
+    and its one exception: docs/generation.rst, "The memory budget".
 """
 
 from __future__ import annotations
