@@ -1,10 +1,11 @@
 """Generation on a sharded model at world 2: tokens/s against the same model unsharded.
 
     .venv/bin/python tools/bench_generate.py                 # the three models, 5 rounds
-    .venv/bin/python tools/bench_generate.py --models gpt2 --rounds 9 --tokens 24
+    .venv/bin/python tools/bench_generate.py --models gpt2 --rounds 9 --tokens 96
 
 Per model, in the same processes and interleaved round by round: plain PyTorch (an
-unsharded copy), ``generate`` inside ``zero3.hooks.unsharded``, the sharded model with no
+unsharded copy), ``generate`` inside an open ``zero3.hooks.unsharded`` block (the block's
+own cost, one gather in and one sync out, is the last column), the sharded model with no
 context (transformers' ``generate``: zero3's own block bounded by the reuse window; the
 benchmark GPT has no ``generate``, so its loop runs a forward per token through the
 hooks), and, for transformers models, the per-token hook path that generate took before
@@ -16,6 +17,7 @@ machine is shared: absolute figures move between rounds, ratios much less).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -56,21 +58,37 @@ def _greedy(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> torch.
 
 
 def _build(name: str) -> torch.nn.Module:
+    """The benchmark GPT, or a tiny transformers model (zero3.testing's shapes, with room
+    for 128 positions so a generation is long enough to amortise the block's one gather).
+    """
+    torch.manual_seed(0)
     if name == "bench-gpt":
-        torch.manual_seed(0)
         return LogitsGPT(Workload())
-    from zero3.testing.hf_models import build_hf
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    model = build_hf(name)
-    model.config.use_cache = True
+    from zero3.testing.hf_models import VOCAB
+
+    if name == "gpt2":
+        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        model = LlamaForCausalLM(config)
+    model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
 def _runners(name: str, model: Any, reference: Any, prompt: torch.Tensor, tokens: int) -> dict:
-    from zero3.hooks import unsharded
-
     if name == "bench-gpt":
 
         def gen(m: Any) -> Any:
@@ -81,13 +99,9 @@ def _runners(name: str, model: Any, reference: Any, prompt: torch.Tensor, tokens
         def gen(m: Any) -> Any:
             return m.generate(prompt, **kwargs)
 
-    def inside() -> Any:
-        with unsharded(model):
-            return gen(model)
-
     runners = {
         "plain": lambda: gen(reference),
-        "unsharded": inside,
+        "unsharded": lambda: gen(model),  # timed inside an open block (see worker)
         "no context": lambda: gen(model),
     }
     if name != "bench-gpt":
@@ -100,11 +114,27 @@ def _runners(name: str, model: Any, reference: Any, prompt: torch.Tensor, tokens
     return runners
 
 
+_last_ms = [0.0]
+
+
+def _timed(fn: Any) -> float:
+    """Seconds of the slowest rank for ``fn()`` (every rank starts together)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    _last_ms[0] = elapsed.item() * 1e3
+    return elapsed.item()
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from zero3.core import Zero3Config
-    from zero3.hooks import shard_module
+    from zero3.hooks import shard_module, unsharded
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -119,16 +149,17 @@ def worker(args: argparse.Namespace) -> None:
         prompt = torch.randint(1, vocab, (args.batch, 8), generator=g)
         runners = _runners(name, model, reference, prompt, args.tokens)
         rates: dict[str, list[float]] = {k: [] for k in runners}
+        blocks: list[float] = []
         for _ in range(args.rounds):
             for key, fn in runners.items():
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                rates[key].append(world * args.batch * args.tokens / elapsed.item())
+                block = unsharded(model) if key == "unsharded" else contextlib.nullcontext()
+                opened = time.perf_counter()
+                with block:
+                    rates[key].append(world * args.batch * args.tokens / _timed(fn))
+                if key == "unsharded":  # the block's own cost: one gather in, one sync out
+                    blocks.append((time.perf_counter() - opened) * 1e3 - _last_ms[0])
         plain = rates["plain"]
-        results[name] = {
+        results[name] = {"block_ms": statistics.median(blocks)} | {
             key: {
                 "tokens_per_s": statistics.median(r),
                 "ratio": statistics.median(a / b for a, b in zip(r, plain, strict=True)),
@@ -144,8 +175,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--rounds", type=int, default=5)
-    # The tiny transformers models hold 32 positions: 8 prompt tokens and at most 24 new.
-    p.add_argument("--tokens", type=int, default=20, help="new tokens per sequence")
+    p.add_argument("--tokens", type=int, default=48, help="new tokens per sequence (< 120)")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--world", type=int, default=2)
@@ -172,14 +202,15 @@ def main() -> None:
         f"{args.rounds} rounds, {args.threads} thread(s) per rank, "
         f"load {os.getloadavg()[0]:.1f}"
     )
-    print("| model | plain tokens/s | inside unsharded | no context | hook path |")
-    print("|---|---|---|---|---|")
+    print("| model | plain tokens/s | inside unsharded | no context | hook path | block ms |")
+    print("|---|---|---|---|---|---|")
     for name, rows in results.items():
+        block_ms = rows.pop("block_ms")
         cells = [f"{rows['plain']['tokens_per_s']:.0f}"]
         for key in ("unsharded", "no context", "hook path"):
             row = rows.get(key)
             cells.append("-" if row is None else f"{row['tokens_per_s']:.0f} ({row['ratio']:.2f}x)")
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        print(f"| {name} | " + " | ".join(cells) + f" | {block_ms:.1f} |")
 
 
 if __name__ == "__main__":

@@ -47,40 +47,27 @@ def _check_budget(max_bytes: int | None) -> None:
 @contextlib.contextmanager
 def unsharded(module: nn.Module, *, max_bytes: int | None = None) -> Iterator[nn.Module]:
     """Keep a sharded model's parameters whole inside the block, and its forward as fast
-    as the unsharded model's.
+    as the unsharded model's (docs/generation.rst).
 
     Every rank must enter the block (a collective). On entry the parameters are gathered
     once: all of them, or with ``max_bytes`` as many as fit in the order forwards use
-    them; the rest are gathered per use, with prefetches that stay within the budget.
-    The forward hooks of every module whose parameters are all kept are taken out for
-    the block (the module runs exactly as unsharded) and put back, in their places, on
-    exit. On exit the parameters go back to their shards (``stats(model).memory``
-    counts the block's gathers; its ``gathered_bytes`` is 0 again).
+    them (the rest gathered per use, prefetching within the budget). The forward hooks of
+    every module whose parameters are all kept are taken out for the block and put back
+    in their places on exit, when the parameters go back to their shards. The block's
+    gathers count in ``stats(model).memory``.
 
-    - **In-place edits** of whole parameters inside the block (``torch.no_grad()``
-      writes, ``nn.Embedding(max_norm=...)``) are merged into the shards on exit by the
-      rule every edit of a whole parameter follows: each element takes the value a rank
-      wrote to it, the largest where ranks wrote different values (the in-place edits
-      Note of ``zero3.core.model._sync``). This is what ``gathered_parameters`` does
-      without ``modifier_rank``; writes through ``param.data`` bypass autograd's version
-      counter, are not seen and are lost.
-    - **Backward is refused**: a forward with grad enabled on a model with trainable
-      parameters raises (run rollouts under ``torch.no_grad()``, as ``generate`` does,
-      and the training forward after the block). A frozen model (a reference policy)
-      may run with grad enabled.
-    - Entering inside another block on the model, inside a step (a running forward, or
-      a training forward whose backward has not run), or with a module that is not a
-      sharded root raises; so do ``unshard_module`` and ``set_leaf_modules`` inside.
-
-    ``transformers``' ``generate`` on a sharded model opens such a block by itself,
-    bounded by the model's reuse window (``Zero3Config.max_reuse_distance`` and
-    ``max_live_parameters``), unless it runs inside one already.
+    In-place edits of whole parameters inside are merged into the shards on exit, by the
+    rule of every edit of a whole parameter (each element takes the value a rank wrote,
+    the largest where ranks differ), as ``gathered_parameters`` without
+    ``modifier_rank`` does; ``param.data`` writes are not seen. Backward is refused: a
+    grad-enabled forward of a model with trainable parameters raises. ``generate`` opens
+    a block by itself, bounded by the reuse window, unless it runs inside one.
 
     Args:
         module: The root module returned by :func:`~zero3.hooks.shard_module`.
         max_bytes: At most this many bytes of parameters kept gathered (None: all). The
-            gathered bytes stay within ``max_bytes`` plus the largest parameter (see
-            the budget Note of ``zero3.core.model._unshard`` for the one exception).
+            gathered bytes stay within ``max_bytes`` plus the largest parameter, with the
+            exceptions the guide names ("The memory budget").
 
     Yields:
         The module itself.
@@ -88,8 +75,8 @@ def unsharded(module: nn.Module, *, max_bytes: int | None = None) -> Iterator[nn
     Raises:
         ValueError: ``module`` is not a sharded root module, or ``max_bytes`` is not a
             byte count.
-        RuntimeError: Nested or inside a step (on entry); a grad-enabled forward of a
-            trainable model inside the block.
+        RuntimeError: Nested, inside a step, or with ``unshard_module`` /
+            ``set_leaf_modules`` inside; a grad-enabled forward of a trainable model.
     """
     state = sharded_root(module, "zero3.hooks.unsharded")
     _check_budget(max_bytes)

@@ -50,8 +50,7 @@ class OpKind(enum.IntEnum):
     SYNC = 6  #: merging in-place edits and rank 0's buffers
     FULL_GRAD = 7  #: ``full_grad``
     LOAD = 8  #: ``load_full_state_dict``
-    UNSHARDED = 9  #: entering ``zero3.hooks.unsharded``
-    VOTE = 10  #: a vote every rank casts (``generate``'s "all ranks finished?")
+    VOTE = 9  #: a vote every rank casts (``generate``'s "all ranks finished?")
 
     def describe(self) -> str:
         """Words for messages."""
@@ -65,7 +64,6 @@ class OpKind(enum.IntEnum):
             OpKind.SYNC: "synchronised edits and buffers at the end of a step",
             OpKind.FULL_GRAD: "called full_grad",
             OpKind.LOAD: "called load_full_state_dict",
-            OpKind.UNSHARDED: "entered zero3.hooks.unsharded",
             OpKind.VOTE: "voted whether every rank finished generating (generate)",
         }[self]
 
@@ -289,7 +287,7 @@ def _likely_cause(ops: list[Op]) -> str:
             "call it on every rank, each with the full state dict (torch.load(..., "
             "mmap=True) keeps that cheap)."
         )
-    if kinds & {OpKind.GATHERED, OpKind.FULL_GRAD, OpKind.UNSHARDED} and len(kinds) > 1:
+    if kinds & {OpKind.GATHERED, OpKind.FULL_GRAD} and len(kinds) > 1:
         causes.append(
             "a collective helper (full_state_dict, gathered_parameters, full_grad, "
             "unsharded, iter_full_parameters) was called on some ranks only, or a rank "

@@ -350,8 +350,8 @@ class ShardedModelState:
 
     def open_unsharded(self, max_bytes: int | None) -> UnshardedPlan:
         """Begin a ``zero3.hooks.unsharded`` block (a collective): plan what it keeps
-        gathered (``zero3.core.model._unshard``), check that every rank enters the same
-        block, and gather it in runs of at most ``prefetch_bucket_size`` elements.
+        gathered (``zero3.core.model._unshard``) and gather it in runs of at most
+        ``prefetch_bucket_size`` elements (their headers check every rank does the same).
 
         Raises:
             RuntimeError: A block or a step is open (:meth:`TrainingStep.enter_unsharded`).
@@ -362,10 +362,8 @@ class ShardedModelState:
         plan = plan_unsharded(self.coordinator, self.params, max_bytes)
         pinned: list[ShardedParam] = []
         try:
-            at = self.step.moment()
-            op = Op(OpKind.UNSHARDED, at.step, int(at.phase), UNSHARDED, plan.digest,
-                    -1 if max_bytes is None else max_bytes)  # fmt: skip
-            self.guard.check(op)
+            # No header of its own: the gathers' headers name the block and the set of
+            # parameters, so ranks entering different blocks (or one not entering) fail.
             self.coordinator.traces["unsharded"].invalidate()
             self.coordinator.cap_bytes = plan.cap_bytes
             for piece in chunks(plan.pinned, max(1, self.config.prefetch_bucket_size)):

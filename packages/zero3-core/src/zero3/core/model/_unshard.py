@@ -15,7 +15,6 @@ Note (a budget):
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Sequence
 
 from zero3.core.params._coordinator import ParamCoordinator, TraceState
@@ -42,12 +41,6 @@ class UnshardedPlan:
     complete: bool
     cap_bytes: int | None
     max_bytes: int | None
-
-    @property
-    def digest(self) -> int:
-        """A checksum of the pinned parameters (every rank must plan the same)."""
-        indices = ",".join(str(sp.index) for sp in self.pinned).encode()
-        return zlib.crc32(indices) & 0x7FFFFFFF
 
 
 def _nbytes(sp: ShardedParam) -> int:
@@ -95,8 +88,10 @@ def plan_unsharded(
             pinned.append(sp)
     complete = len(pinned) == len(order)
     kept = {sp.index for sp in pinned}
-    bypass = {i for i in hooked if all(sp.index in kept for sp in coordinator.fetch_set(i))}
-    if not complete:
+    if complete:  # every module, those inside leaves too (their parameter-read dicts)
+        bypass = set(range(len(coordinator.names)))
+    else:
+        bypass = {i for i in hooked if all(sp.index in kept for sp in coordinator.fetch_set(i))}
         bypass.discard(0)  # the root keeps its hooks: one step per forward, not per module
     cap_bytes = None if complete else cap
     return UnshardedPlan(tuple(pinned), frozenset(bypass), complete, cap_bytes, max_bytes)
