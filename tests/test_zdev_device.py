@@ -161,8 +161,10 @@ def _cross_stream_write_then_read() -> dict[str, str | bool]:
 
 def test_detector_refuses_an_unordered_cross_stream_access(zdev_pool):
     result = _run(zdev_pool, _cross_stream_write_then_read)
-    assert "aten::zero_ on stream 0 of zdev:0" in result["write"], result
-    assert "reads" in result["read"] and "wrote" in result["read"], result
+    assert (
+        "last written on stream 0 of zdev:0 (the default stream) by aten::zero_" in result["write"]
+    )
+    assert "reads" in result["read"] and "last written" in result["read"], result
     assert result["ok"] is True, result
 
 
@@ -181,7 +183,7 @@ def _write_after_read() -> dict[str, str | bool]:
 
 def test_detector_refuses_overwriting_what_another_stream_reads(zdev_pool):
     result = _run(zdev_pool, _write_after_read)
-    assert "writes" in result["message"] and "read" in result["message"], result
+    assert "writes" in result["message"] and ", read on stream" in result["message"], result
 
 
 def _free_while_in_use(record: bool) -> str | None:

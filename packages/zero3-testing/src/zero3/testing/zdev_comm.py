@@ -87,19 +87,23 @@ class ZdevWork(Work):
         self._host_work = host_work
         self._staged = staged
         self._keep: tuple[torch.Tensor, ...] = keep  # alive until waited for
-        self._event: Any = None
+        # The end of this collective on the comm stream (its accesses are recorded).
+        self._event = backend.comm_stream.record_event()
+        self._completed = False
         self._waited = False
 
     def complete(self) -> None:
-        """Wait for gloo and write the results on the comm stream (idempotent)."""
-        if self._event is not None:
+        """Wait for gloo and land the results in the outputs (idempotent).
+
+        The bytes are moved without a new access: the outputs' write was recorded when
+        the collective was issued, and :attr:`_event` marks it.
+        """
+        if self._completed:
             return
         self._host_work.wait()
-        comm = self._backend.comm_stream
-        with comm.use():
-            for staged in self._staged:
-                torch.ops.zdev.comm_stage_in(staged.device, staged.host)
-        self._event = comm.record_event()
+        for staged in self._staged:
+            torch.ops.zdev.comm_stage_in(staged.device, staged.host)
+        self._completed = True
         self._backend.forget(self)
 
     def wait(self, stream: Stream | None = None) -> None:
@@ -111,7 +115,7 @@ class ZdevWork(Work):
             self._staged, self._keep = [], ()
 
     def is_completed(self) -> bool:
-        return self._event is not None or self._host_work.is_completed()
+        return self._completed or self._host_work.is_completed()
 
     def outputs(self) -> list[torch.Tensor]:
         """The device tensors this collective writes."""

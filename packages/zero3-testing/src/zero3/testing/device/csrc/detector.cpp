@@ -15,7 +15,6 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
-#include <optional>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -25,10 +24,14 @@ namespace {
 
 using Clock = std::unordered_map<int64_t, uint64_t>;
 
+// One access still relevant: a write, or a read since the last write over its bytes.
 struct Touch {
   int64_t stream;
   uint64_t tick;
   std::string what;
+  size_t begin;
+  size_t end;
+  bool write;
 };
 
 struct BlockState {
@@ -36,8 +39,7 @@ struct BlockState {
   uint64_t id;
   size_t nbytes;
   c10::DeviceIndex device;
-  std::optional<Touch> write;
-  std::vector<Touch> reads;  // one per stream, the latest
+  std::vector<Touch> touches;  // byte ranges: disjoint regions of one buffer do not race
   std::unordered_set<int64_t> recorded;  // record_stream: the allocator waits for these
 };
 
@@ -107,39 +109,39 @@ bool ordered(const Clock& clock, int64_t key, const Touch& touch) {
     bool earlier_write) {
   std::ostringstream out;
   out << "zdev race detector: " << what << " on " << stream_name(key) << " "
-      << (write ? "writes " : "reads ") << block_name(state) << " that " << earlier.what
-      << " on " << stream_name(earlier.stream) << " " << (earlier_write ? "wrote" : "read")
+      << (write ? "writes " : "reads ") << block_name(state) << ", "
+      << (earlier_write ? "last written" : "read") << " on " << stream_name(earlier.stream)
+      << " by " << earlier.what
       << ", and nothing ordered the two (no event or stream wait in between, no host "
       << "synchronisation). Make the second stream wait for the first (Work.wait(stream), "
       << "Stream.wait_stream, Stream.wait_event) before this access.";
   TORCH_CHECK(false, out.str());
 }
 
+bool overlap(const Touch& touch, size_t begin, size_t end) {
+  return touch.begin < end && begin < touch.end;
+}
+
 void check(const std::string& what, int64_t key, const Clock& clock, const Access& access,
            const BlockState& state) {
-  if (state.write && !ordered(clock, key, *state.write)) {
-    race(what, key, access.write, state, *state.write, true);
-  }
-  if (access.write) {
-    for (const Touch& read : state.reads) {
-      if (!ordered(clock, key, read)) race(what, key, true, state, read, false);
+  for (const Touch& touch : state.touches) {
+    const bool conflict = touch.write || access.write;
+    if (conflict && overlap(touch, access.begin, access.end) && !ordered(clock, key, touch)) {
+      race(what, key, access.write, state, touch, touch.write);
     }
   }
 }
 
-void note(BlockState& state, bool write, Touch touch) {
-  if (write) {
-    state.write = std::move(touch);
-    state.reads.clear();
-    return;
-  }
-  for (Touch& read : state.reads) {
-    if (read.stream == touch.stream) {
-      read = std::move(touch);
-      return;
-    }
-  }
-  state.reads.push_back(std::move(touch));
+// A write supersedes every touch inside its bytes (whatever is ordered after it is ordered
+// after them); a read supersedes its own stream's earlier reads inside its bytes.
+void note(BlockState& state, Touch touch) {
+  auto superseded = [&](const Touch& old) {
+    const bool inside = touch.begin <= old.begin && old.end <= touch.end;
+    return inside && (touch.write || (!old.write && old.stream == touch.stream));
+  };
+  auto& touches = state.touches;
+  touches.erase(std::remove_if(touches.begin(), touches.end(), superseded), touches.end());
+  touches.push_back(std::move(touch));
 }
 
 }  // namespace
@@ -150,10 +152,7 @@ void set_enabled(bool value) {
   std::lock_guard<std::mutex> lock(mutex);
   on = value;
   if (!value) {
-    for (auto& [id, state] : blocks) {
-      state.write.reset();
-      state.reads.clear();
-    }
+    for (auto& [id, state] : blocks) state.touches.clear();
   }
 }
 
@@ -174,20 +173,24 @@ uint64_t kernel(const std::string& what, const std::vector<Access>& accesses, c1
   }
   for (const Access& access : accesses) {
     auto found = blocks.find(access.block->id);
-    if (found != blocks.end()) note(found->second, access.write, Touch{key, tick, what});
+    if (found != blocks.end() && access.begin < access.end) {
+      note(found->second, Touch{key, tick, what, access.begin, access.end, access.write});
+    }
   }
   return tick;
 }
 
-void write_at(const Block* block, c10::Stream stream, uint64_t tick, const std::string& what) {
+void write_at(const Access& access, c10::Stream stream, uint64_t tick, const std::string& what) {
   std::lock_guard<std::mutex> lock(mutex);
-  auto found = blocks.find(block->id);
-  if (on && found != blocks.end()) note(found->second, true, Touch{key_of(stream), tick, what});
+  auto found = blocks.find(access.block->id);
+  if (on && found != blocks.end() && access.begin < access.end) {
+    note(found->second, Touch{key_of(stream), tick, what, access.begin, access.end, true});
+  }
 }
 
 void on_alloc(const Block* block, c10::Stream stream) {
   std::lock_guard<std::mutex> lock(mutex);
-  blocks[block->id] = BlockState{key_of(stream), block->id, block->nbytes, block->device, {}, {}, {}};
+  blocks[block->id] = BlockState{key_of(stream), block->id, block->nbytes, block->device, {}, {}};
 }
 
 void on_free(const Block* block) noexcept {
@@ -201,10 +204,8 @@ void on_free(const Block* block) noexcept {
     // before that stream's next work, or covered by record_stream.
     Clock next = streams[state.home];
     merge(next, host);
-    std::vector<const Touch*> touches;
-    if (state.write) touches.push_back(&*state.write);
-    for (const Touch& read : state.reads) touches.push_back(&read);
-    for (const Touch* touch : touches) {
+    for (const Touch* touch = state.touches.data();
+         touch != state.touches.data() + state.touches.size(); ++touch) {
       if (on && !ordered(next, state.home, *touch) && !state.recorded.count(touch->stream)) {
         std::ostringstream out;
         out << "zdev race detector: " << block_name(state) << " was freed (its memory back in "

@@ -20,7 +20,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 namespace zdev {
@@ -47,6 +49,29 @@ bool on_zdev(const at::Tensor& t) { return t.defined() && t.device().is_privateu
 
 const Block* block_or_null(const at::Tensor& t) {
   return on_zdev(t) && t.storage() ? block_of(t.storage().data_ptr()) : nullptr;
+}
+
+// The bytes of its block a tensor spans (lowest to highest element; strides >= 0).
+std::optional<detector::Access> access_of(const at::Tensor& t, bool write) {
+  const Block* block = block_or_null(t);
+  if (block == nullptr) return std::nullopt;
+  if (t.numel() == 0) return detector::Access{block, write, 0, 0};
+  size_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    extent += static_cast<size_t>(t.size(d) - 1) * static_cast<size_t>(std::abs(t.stride(d)));
+  }
+  const size_t begin = reinterpret_cast<uintptr_t>(t.data_ptr()) - block->address;
+  return detector::Access{block, write, begin, begin + extent * t.element_size()};
+}
+
+// The accesses of some tensors (those without device memory left out).
+std::vector<detector::Access> accesses_of(
+    std::initializer_list<std::pair<const at::Tensor*, bool>> tensors) {
+  std::vector<detector::Access> out;
+  for (const auto& [tensor, write] : tensors) {
+    if (auto access = access_of(*tensor, write)) out.push_back(*access);
+  }
+  return out;
 }
 
 // A CPU tensor over the device tensor's backing memory (same sizes, strides, offset).
@@ -170,8 +195,8 @@ at::Tensor& set_empty(at::Tensor& self) {
 
 void record_fallback_write(const at::Tensor& dst) {
   const FallbackScope* scope = FallbackScope::active;
-  if (const Block* block = block_or_null(dst)) {
-    detector::write_at(block, scope->stream, scope->tick, scope->what);
+  if (auto access = access_of(dst, true)) {
+    detector::write_at(*access, scope->stream, scope->tick, scope->what);
   }
 }
 
@@ -183,8 +208,7 @@ void copy_between_devices(const at::Tensor& src, const at::Tensor& dst) {
   void* event = detector::event_create();
   detector::event_record(event, from);
   detector::event_block(event, to);
-  detector::kernel("copy_ (zdev to zdev)", {{block_or_null(src), false}, {block_or_null(dst), true}},
-                   to);
+  detector::kernel("copy_ (zdev to zdev)", accesses_of({{&src, false}, {&dst, true}}), to);
   detector::event_record(event, to);
   detector::event_block(event, from);
   detector::event_destroy(event);
@@ -202,19 +226,18 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   }
   if (on_zdev(self) && on_zdev(dst)) {
     if (self.device() == dst.device()) {
-      detector::kernel("copy_ (zdev to zdev)",
-                       {{block_or_null(self), false}, {block_or_null(dst), true}},
+      detector::kernel("copy_ (zdev to zdev)", accesses_of({{&self, false}, {&dst, true}}),
                        current_stream(dst.device().index()));
     } else {
       copy_between_devices(self, dst);
     }
   } else if (on_zdev(dst)) {
     const c10::Stream stream = current_stream(dst.device().index());
-    detector::kernel("copy_ (host to zdev)", {{block_or_null(dst), true}}, stream);
+    detector::kernel("copy_ (host to zdev)", accesses_of({{&dst, true}}), stream);
     if (!non_blocking) detector::host_sync_stream(stream, detector::kToDevice);
   } else {
     const c10::Stream stream = current_stream(self.device().index());
-    detector::kernel("copy_ (zdev to host)", {{block_or_null(self), false}}, stream);
+    detector::kernel("copy_ (zdev to host)", accesses_of({{&self, false}}), stream);
     if (!non_blocking) detector::host_sync_stream(stream, detector::kToHost);
   }
   to.copy_(from);
@@ -230,7 +253,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
   const c10::Stream stream = current_stream(self.device().index());
-  detector::kernel("item (zdev to host)", {{block_or_null(self), false}}, stream);
+  detector::kernel("item (zdev to host)", accesses_of({{&self, false}}), stream);
   detector::host_sync_stream(stream, detector::kToHost);
   return host_alias(self).item();
 }
@@ -300,7 +323,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!on_zdev(tensors[i])) continue;
     if (!device) device = tensors[i].device();  // even an empty tensor (no memory yet)
-    if (const Block* block = block_or_null(tensors[i])) accesses.push_back({block, writes[i]});
+    if (auto access = access_of(tensors[i], writes[i])) accesses.push_back(*access);
   }
   const c10::Device where = device.value_or(c10::Device(c10::DeviceType::PrivateUse1, current_device()));
   const c10::DeviceGuard guard(where);
@@ -323,12 +346,9 @@ c10::Stream stream_of(int64_t device, int64_t id) {
 // kernel's (gloo moves the bytes on the host, where no kernel sees them).
 void comm_access(const at::Tensor& t, int64_t device, int64_t stream, bool write,
                  const std::string& what) {
-  const Block* block = block_or_null(t);
-  TORCH_CHECK(block != nullptr || t.numel() == 0, "zdev.comm_access: ", what,
-              " is not a zdev tensor (it is on ", t.device(), ")");
-  std::vector<detector::Access> accesses;
-  if (block != nullptr) accesses.push_back({block, write});
-  detector::kernel(what, accesses, stream_of(device, stream));
+  TORCH_CHECK(on_zdev(t), "zdev.comm_access: ", what, " is not a zdev tensor (it is on ",
+              t.device(), ")");
+  detector::kernel(what, accesses_of({{&t, write}}), stream_of(device, stream));
 }
 
 // The bytes of a device tensor, as a new contiguous host tensor, moved by the comm stream

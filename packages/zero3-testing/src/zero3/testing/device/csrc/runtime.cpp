@@ -189,7 +189,8 @@ void Hooks::resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) c
   const Block* from = block_of(storage.data_ptr());
   const Block* to = block_of(fresh);
   if (kept > 0 && from != nullptr && to != nullptr) {
-    detector::kernel("UntypedStorage.resize_", {{from, false}, {to, true}}, current_stream(device));
+    detector::kernel("UntypedStorage.resize_", {detector::whole(from, false), detector::whole(to, true)},
+                     current_stream(device));
     std::memcpy(to->host, from->host, kept);
   }
   storage.set_data_ptr_noswap(std::move(fresh));

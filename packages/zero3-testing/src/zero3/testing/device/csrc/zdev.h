@@ -52,11 +52,16 @@ void register_hooks();
 
 namespace detector {
 
-// One tensor an operation touches.
+// The bytes ``[begin, end)`` of a block an operation touches (a tensor's span).
 struct Access {
   const Block* block;
   bool write;
+  size_t begin;
+  size_t end;
 };
+
+// The access of a whole block.
+inline Access whole(const Block* block, bool write) { return {block, write, 0, block->nbytes}; }
 
 bool enabled();
 void set_enabled(bool on);
@@ -64,7 +69,7 @@ void set_enabled(bool on);
 // records them. Returns the kernel's tick on its stream (for writes made inside it).
 uint64_t kernel(const std::string& what, const std::vector<Access>& accesses, c10::Stream stream);
 // A write made inside a kernel already checked (the fallback's copies back to the device).
-void write_at(const Block* block, c10::Stream stream, uint64_t tick, const std::string& what);
+void write_at(const Access& access, c10::Stream stream, uint64_t tick, const std::string& what);
 void on_alloc(const Block* block, c10::Stream stream);
 void on_free(const Block* block) noexcept;
 void record_stream(const Block* block, c10::Stream stream);
