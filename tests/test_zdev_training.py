@@ -212,3 +212,30 @@ def test_low_precision_params_with_fp32_masters_on_zdev(zdev_pool, dtype_name, w
             assert result["loss_rel"] == 0.0 and result["max_abs"] == 0.0, result
         else:  # four: the reduction's order differs (test_mixed_precision's bounds)
             assert result["loss_rel"] < 5e-2 and result["max_abs"] <= 2 * LR * STEPS, result
+
+
+# -- device memory ------------------------------------------------------------------------------
+
+
+def _device_memory() -> dict[str, int]:
+    from zero3.testing.models import TinyGPT, token_batch
+
+    dev = _device()
+    zdev = torch.get_device_module("zdev")
+    base = zdev.memory_allocated(dev)
+    model = TinyGPT(dim=64, layers=4).to(dev)
+    whole = zdev.memory_allocated(dev) - base
+    shard_module(model, _config())
+    sharded = zdev.memory_allocated(dev) - base
+    loss_of(model(token_batch(61, 16)(LOCAL, 0).to(dev))).backward()
+    return {"whole": whole, "sharded": sharded, "after_backward": zdev.memory_allocated(dev) - base}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_holds_one_nth_of_the_model_in_device_memory(zdev_pool, world_size):
+    """Released parameters really give their device memory back (storages emptied)."""
+    for result in zdev_pool(world_size).run(_device_memory, timeout=240):
+        share = result["whole"] // world_size
+        assert share <= result["sharded"] <= share + 1024, result  # padding at most
+        # parameter shards and gradient shards; every gathered parameter released again
+        assert result["after_backward"] <= 2 * share + 64 * 1024, result
