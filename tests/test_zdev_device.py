@@ -77,6 +77,7 @@ def test_torch_accelerator_and_device_module(zdev_pool):
     assert result["device"] == "zdev:3", result
 
 
+@pytest.mark.usefixtures("zdev_pool")  # built (or skipped without a toolchain) first
 def test_host_cannot_read_device_memory():
     """A raw host dereference of device memory faults, as on a GPU (in a child process)."""
     code = (
