@@ -11,12 +11,13 @@ Note (how a collective runs, modelled on torch's ProcessGroupNCCL):
     comm stream wait for ``S``, then the comm stream reads the inputs (their bytes are
     staged into host buffers) and writes the outputs: both accesses are recorded in the
     race detector as the comm stream's, at issue time, which is when a real device could
-    start writing. gloo then runs on its own thread. ``Work.wait(consumer)`` waits for
-    gloo on the host (the simulation's only blocking point; not a host synchronisation
-    of the device), copies the result into the outputs on the comm stream, and makes the
-    consumer stream wait for an event recorded after it. So reading an output before
-    ``wait``, or on a stream that did not wait, is a race the detector reports; and the
-    work keeps its tensors alive until it is waited for, as ProcessGroupNCCL does.
+    start writing, and an event marks the collective's end there. gloo then runs on its
+    own thread. ``Work.wait(consumer)`` waits for gloo on the host (the simulation's only
+    blocking point; not a host synchronisation of the device), lands the bytes in the
+    outputs, and makes the consumer stream wait for the collective's event. So reading an
+    output before ``wait``, or on a stream that did not wait, is a race the detector
+    reports; and the work keeps its tensors alive until it is waited for, as
+    ProcessGroupNCCL does.
     A CPU tensor is refused by the same check NCCL and HCCL use
     (:meth:`~zero3.comm.CommBackend._check_device`), plus the device index: a tensor on
     another zdev device is refused too, as NCCL refuses one on another GPU.

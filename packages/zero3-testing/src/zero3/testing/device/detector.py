@@ -19,7 +19,7 @@ events, stream waits and host synchronisations merge clocks. It raises ``Runtime
 
 A dispatch mode would see neither stream/event calls nor gloo's writes: the device
 guard reports the first, and the ``zdev`` comm backend records each collective's reads
-and writes on its comm stream (:func:`record_collective_access`).
+and writes on its comm stream (``torch.ops.zdev.comm_access``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ __all__ = [
     "enabled",
     "host_syncs",
     "label_stream",
-    "record_collective_access",
     "set_enabled",
     "take_pending",
 ]
@@ -90,14 +89,3 @@ def host_syncs() -> dict[str, int]:
 def label_stream(stream: torch.Stream, label: str) -> None:
     """Name ``stream`` in the detector's messages (``stream 3 of zdev:0 (label)``)."""
     torch.ops.zdev.stream_label(stream.device_index, stream.stream_id, label)
-
-
-def record_collective_access(
-    tensor: torch.Tensor, stream: torch.Stream, *, write: bool, what: str
-) -> None:
-    """Check and record a collective's access to ``tensor`` on ``stream``.
-
-    Raises:
-        RuntimeError: The access races an earlier one (the detector's message).
-    """
-    torch.ops.zdev.comm_access(tensor, stream.device_index, stream.stream_id, write, what)
