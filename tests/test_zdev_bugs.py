@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from zero3.comm import ReduceOp, Stream
-from zero3.core import BufferPool, GradReducer, ParamCoordinator, Zero3Config
+from zero3.core import Zero3Config
+from zero3.core.engine import BufferPool, ShardedModelState, sharded_state
 from zero3.hooks import shard_module, stats
 from zero3.optim import PartitionedOptimizer
 from zero3.testing.models import build, loss_of
@@ -67,13 +68,13 @@ def flags_read_before_wait(self: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return flags[:n].bool(), flags[n:].bool()
 
 
-def _handle_class() -> Any:
-    """The gather handle class the coordinator builds (looked up where it is used)."""
-    return sys.modules[ParamCoordinator.__module__].GatherHandle
+def _coordinator_module(state: ShardedModelState) -> Any:
+    """The module the coordinator builds its gather handles in (where to patch the class)."""
+    return sys.modules[type(state.coordinator).__module__]
 
 
-def _waits_on_an_unused_stream() -> type:
-    class WaitsElsewhere(_handle_class()):  # type: ignore[misc]
+def _waits_on_an_unused_stream(handle: type) -> type:
+    class WaitsElsewhere(handle):  # type: ignore[misc, valid-type]
         """Bug: the gather is waited for on a stream the compute stream never waits for."""
 
         def finish(self, stream: Stream | None = None) -> None:
@@ -82,8 +83,8 @@ def _waits_on_an_unused_stream() -> type:
     return WaitsElsewhere
 
 
-def _gives_back_at_issue() -> type:
-    class GivesBackEarly(_handle_class()):  # type: ignore[misc]
+def _gives_back_at_issue(handle: type) -> type:
+    class GivesBackEarly(handle):  # type: ignore[misc, valid-type]
         """Bug: the receive buffer goes back to the pool as soon as the gather is issued."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -101,26 +102,25 @@ def keeps_device_buffers(self: BufferPool, buffer: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _bug(name: str) -> Iterator[None]:
-    handle = sys.modules[ParamCoordinator.__module__]
+def _bug(name: str, state: ShardedModelState) -> Iterator[None]:
+    """Reintroduce bug ``name`` into the engine classes ``state`` uses, for the block."""
+    reducer = type(state.reducer)
+    module = _coordinator_module(state)
+    handle = module.GatherHandle
+    patches = {
+        "host-tensor": [(reducer, "_exchange_flags", flags_from_host_memory)],
+        "read-before-event": [(module, "GatherHandle", _waits_on_an_unused_stream(handle))],
+        "pool-reuse": [
+            (BufferPool, "give", keeps_device_buffers),
+            (module, "GatherHandle", _gives_back_at_issue(handle)),
+        ],
+        # the pool alone, buffers returned when the engine returns them: no bug
+        "pool-keeps-device-buffers": [(BufferPool, "give", keeps_device_buffers)],
+        "host-read-unsynchronised": [(reducer, "_exchange_flags", flags_read_before_wait)],
+    }[name]
     with contextlib.ExitStack() as stack:
-        if name == "host-tensor":
-            stack.enter_context(
-                mock.patch.object(GradReducer, "_exchange_flags", flags_from_host_memory)
-            )
-        elif name == "read-before-event":
-            stack.enter_context(
-                mock.patch.object(handle, "GatherHandle", _waits_on_an_unused_stream())
-            )
-        elif name == "pool-reuse":
-            stack.enter_context(mock.patch.object(BufferPool, "give", keeps_device_buffers))
-            stack.enter_context(mock.patch.object(handle, "GatherHandle", _gives_back_at_issue()))
-        elif name == "pool-keeps-device-buffers":  # the pool alone, returned at the right time
-            stack.enter_context(mock.patch.object(BufferPool, "give", keeps_device_buffers))
-        elif name == "host-read-unsynchronised":
-            stack.enter_context(
-                mock.patch.object(GradReducer, "_exchange_flags", flags_read_before_wait)
-            )
+        for owner, attribute, replacement in patches:
+            stack.enter_context(mock.patch.object(owner, attribute, replacement))
         yield
 
 
@@ -146,7 +146,7 @@ def _with_bug(name: str) -> dict[str, Any]:
     _step(model, opt, make, 0)  # the engine as it is
     clean = stats(model).gathers
     error: BaseException | None = None
-    with _bug(name):
+    with _bug(name, sharded_state(model)):
         try:
             for step in (1, 2):
                 _step(model, opt, make, step)

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero3.core import Zero3Config, sharded_state
+from zero3.core import Zero3Config
+from zero3.core.engine import sharded_state
 from zero3.hooks import full_state_dict, shard_module, stats
 from zero3.optim import PartitionedOptimizer
 from zero3.testing.models import MoEBlock, build, loss_of
