@@ -45,7 +45,8 @@ from zero3.core.model._state import (
     try_sharded_state,
 )
 from zero3.core.model._step import TrainingStep, in_backward
-from zero3.core.params._coordinator import TraceState
+from zero3.core.model._unshard import UnshardedPlan
+from zero3.core.params._coordinator import STREAMED, TraceState
 from zero3.core.params._params import ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
 from zero3.core.state_dict._full import full_state_dict, load_full_state_dict
@@ -55,6 +56,7 @@ from zero3.core.state_dict._sharded import local_flat, sharded_like
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "CHECKPOINT_LAYOUT",
+    "STREAMED",
     "AllReducePath",
     "BufferPool",
     "CheckpointLayout",
@@ -77,6 +79,7 @@ __all__ = [
     "TraceState",
     "Tracer",
     "TrainingStep",
+    "UnshardedPlan",
     "check_checkpoint_dir",
     "checkpoint_group",
     "clone_state_dict",

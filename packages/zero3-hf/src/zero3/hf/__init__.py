@@ -20,5 +20,12 @@ from zero3.hf._args import Zero3TrainingArguments
 from zero3.hf._config import Zero3ConfigLike
 from zero3.hf._pretrained import sharded_from_pretrained
 from zero3.hf._trainer import Zero3Trainer
+from zero3.hf._trl import zero3_trainer
 
-__all__ = ["Zero3ConfigLike", "Zero3Trainer", "Zero3TrainingArguments", "sharded_from_pretrained"]
+__all__ = [
+    "Zero3ConfigLike",
+    "Zero3Trainer",
+    "Zero3TrainingArguments",
+    "sharded_from_pretrained",
+    "zero3_trainer",
+]

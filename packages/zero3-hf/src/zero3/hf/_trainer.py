@@ -172,7 +172,10 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         self.optimizer_cls_and_kwargs = trainer_kwargs.get("optimizer_cls_and_kwargs", positional)
         if model is not None:
             model = self._zero3_model(model, args)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if trainer_args:
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        else:  # by keyword: subclasses (zero3_trainer(cls)) order their arguments otherwise
+            super().__init__(model=model, args=args, **trainer_kwargs)
         if self.optimizer is not None and not isinstance(self.optimizer, PartitionedOptimizer):
             raise ValueError(
                 "Zero3Trainer: optimizers=(optimizer, scheduler) must hold a "

@@ -28,6 +28,8 @@ Note (external parameters):
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -43,9 +45,14 @@ __all__ = [
     "ListenedIdentity",
     "ModelHooks",
     "ParamAccessDict",
+    "ParkedHook",
     "PostBackward",
     "PreBackward",
+    "installed",
 ]
+
+#: The hooks installed on each sharded root module (``shard_module`` registers them).
+INSTALLED: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
 
 
 _DOUBLE_BACKWARD_REFUSED = (
@@ -142,6 +149,42 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
         dict.__setitem__(self, key, value)
 
 
+class ParkedHook:
+    """A module hook taken out of its module's hook dict, to be put back where it was.
+
+    Note (in place, not registered again):
+        A hook registered again would run after every hook added since, such as
+        transformers' output-capturing hooks (installed on the first forward), which
+        would then capture outputs without zero3's pre-backward hook. The entry goes
+        back under its key, in its old place (``OrderedDict.move_to_end``).
+    """
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+        hooks = handle.hooks_dict_ref()
+        assert hooks is not None
+        self._order = list(hooks)
+        self._fn = hooks.pop(handle.id)
+        self._flags: list[tuple[Any, Any]] = []
+        for ref in handle.extra_dict_ref:
+            extra = ref()
+            if extra is not None and handle.id in extra:
+                self._flags.append((extra, extra.pop(handle.id)))
+
+    def restore(self) -> None:
+        """Put the hook back in its old place."""
+        hooks = self.handle.hooks_dict_ref()
+        if hooks is None:
+            return  # the module is gone
+        hooks[self.handle.id] = self._fn
+        for extra, value in self._flags:
+            extra[self.handle.id] = value
+        before = [key for key in self._order if key in hooks]
+        known = set(before)
+        for key in [*before, *(key for key in hooks if key not in known)]:
+            hooks.move_to_end(key)
+
+
 class ModelHooks:
     """Installs the hooks of one sharded model and hands their events to its step."""
 
@@ -149,7 +192,10 @@ class ModelHooks:
         self.state = state
         self.step = state.step
         self._handles: list[RemovableHandle] = []
-        self._access_dicts: list[tuple[nn.Module, ParamAccessDict]] = []
+        self._forward: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        self._access_dicts: dict[int, tuple[nn.Module, ParamAccessDict]] = {}
+        self._parked: list[ParkedHook] = []
+        self._plain: list[int] = []  # modules whose parameter dict is a plain dict for now
         self._owned: dict[int, frozenset[int]] = {}
         self._grad_hooked: set[int] = set()
         self._span_starts: dict[tuple[str, int], list[float]] = {}
@@ -159,20 +205,16 @@ class ModelHooks:
     def install(self) -> None:
         """Register module, parameter and state-dict hooks."""
         for index, _, module in self.state.hooked_modules():
-            self._handles.append(
-                module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, index), with_kwargs=True
-                )
+            pre = module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, index), with_kwargs=True
             )
-            self._handles.append(
-                module.register_forward_hook(
-                    functools.partial(self._post_forward, index), with_kwargs=True
-                )
+            post = module.register_forward_hook(
+                functools.partial(self._post_forward, index), with_kwargs=True
             )
+            self._handles += [pre, post]
+            self._forward[index] = (pre, post)
         for index, (_, module) in enumerate(self.state.modules):
-            access = ParamAccessDict(module._parameters, self, index)
-            object.__setattr__(module, "_parameters", access)
-            self._access_dicts.append((module, access))
+            self._watch_reads(index, module)
         for sp in self.state.params:
             if sp.param.requires_grad:
                 self._hook_grad(sp)
@@ -184,14 +226,51 @@ class ModelHooks:
         on_grad = functools.partial(self._on_grad, sp)
         self._handles.append(sp.param.register_post_accumulate_grad_hook(on_grad))
 
+    def _watch_reads(self, index: int, module: nn.Module) -> None:
+        access = ParamAccessDict(module._parameters, self, index)
+        object.__setattr__(module, "_parameters", access)
+        self._access_dicts[index] = (module, access)
+
     def remove(self) -> None:
         """Remove every hook and restore the modules' parameter dicts."""
+        self.resume()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module, access in self._access_dicts:
+        self._forward.clear()
+        for module, access in self._access_dicts.values():
             object.__setattr__(module, "_parameters", dict(access))
         self._access_dicts.clear()
+
+    # -- zero3.hooks.unsharded ------------------------------------------------------------
+
+    def suspend(self, indices: Iterable[int], guard: Callable[..., None] | None) -> None:
+        """Take the forward hooks and the parameter-read dicts of modules ``indices``
+        out, until :meth:`resume` (see :class:`ParkedHook` for why in place). ``guard``
+        becomes the root's first forward pre-hook meanwhile.
+        """
+        for index in sorted(indices):
+            handles = self._forward.get(index)
+            if handles is not None:
+                self._parked += [ParkedHook(handle) for handle in handles]
+            entry = self._access_dicts.get(index)
+            if entry is not None:
+                module, access = entry
+                object.__setattr__(module, "_parameters", dict(access))
+                self._plain.append(index)
+        if guard is not None:
+            root = self.state.modules[0][1]
+            handle = root.register_forward_pre_hook(guard, prepend=True)
+            self._parked.append(_Temporary(handle))
+
+    def resume(self) -> None:
+        """Put back what :meth:`suspend` took out."""
+        for parked in reversed(self._parked):
+            parked.restore()
+        self._parked.clear()
+        for index in self._plain:
+            self._watch_reads(index, self.state.modules[index][1])
+        self._plain.clear()
 
     def add_handle(self, handle: RemovableHandle) -> None:
         """Keep a handle removed together with the hooks (state-dict hooks)."""
@@ -322,6 +401,21 @@ class ModelHooks:
                 starts.pop(),
                 tracer.now_us(),
             )
+
+
+class _Temporary(ParkedHook):
+    """A hook added for the time of a suspension: removed when it ends."""
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+
+    def restore(self) -> None:
+        self.handle.remove()
+
+
+def installed(module: nn.Module) -> ModelHooks | None:
+    """The hooks of a sharded root module, or None."""
+    return INSTALLED.get(module)
 
 
 def install_hooks(state: ShardedModelState) -> ModelHooks:

@@ -1,14 +1,10 @@
 """empty_init: build a model whose parameters take no memory until it is sharded.
 
-Note (value fills on the meta device):
-    On a meta tensor an in-place fill (``normal_``, ``uniform_``, ``nn.init.*``) writes
-    nothing, but torch 2.13 has no C++ meta kernel for ``normal_``: its first call
-    imports torch's Python meta registrations (about 800 modules, measured +73 MiB of
-    resident memory and seconds of import time in every process). Every
-    ``nn.Embedding`` built on meta makes that call. Inside :func:`empty_init`, and in the
-    initialisers' dry run (:mod:`zero3.core.construct._materialize`), a ``TorchFunctionMode``
-    answers such fills on meta tensors by returning the tensor untouched, which is what
-    the kernel would have done.
+On a meta tensor an in-place fill (``normal_``, ``nn.init.*``) writes nothing, but torch
+has no C++ meta kernel for ``normal_``: its first call imports torch's Python meta
+registrations in every process (docs/facts.rst, "Memory and processes on CPU"). Inside
+:func:`empty_init`, and in the initialisers' dry run, a ``TorchFunctionMode`` answers such
+fills on meta tensors by returning the tensor untouched, which is what the kernel does.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Headers before size-dependent collectives: ranks that disagree fail in Python, at once.
 
-Note (why a header, and why on its own channel):
-    A parameter gather moves as many bytes as the module it is for. When ranks run
-    different code — evaluation on one rank only, uneven step counts, a collective
-    called on one rank, experts of different sizes chosen by routing — two ranks pair
-    gathers of different sizes. gloo then aborts the process whose buffer is too small
-    (``gloo::EnforceNotMet``, exit -6, no Python traceback; its peer only sees
-    "Connection reset by peer"), and NCCL may read garbage or hang. A fingerprint inside
-    the gathered bytes catches same-sized mix-ups, but nothing inside the buffer can
-    prevent a size mismatch. So before such a collective every rank exchanges a header
-    of fixed size (what it is about to do: kind, step, module, parameter set, bytes) and
-    issues the collective only if all headers agree; otherwise every rank raises
-    :class:`~zero3.core.FingerprintMismatchError` naming each rank's operation and the
-    likely cause. Headers travel on a host channel of their own (a duplicate group that
-    moves CPU tensors), so reading them never waits for a device stream, and a rank
-    whose next operation is a different collective pairs *its* header with ours and
-    fails too, instead of waiting for a timeout.
-
-Note (what a timeout can say):
-    A peer that never issues another zero3 collective (it left the loop, or is stuck in
-    user code) leaves us waiting until the channel's timeout. The error then names what
-    this rank was waiting for and the last operation every rank completed together:
-    the peers got at least that far.
+Ranks running different code pair collectives of different sizes, which nothing inside the
+bytes can catch (gloo aborts a process without a traceback, NCCL may hang). So before such
+a collective every rank exchanges a fixed-size header on a host channel of its own and
+proceeds only if all agree; otherwise every rank raises, naming each rank's operation and
+the likely cause. A timeout names what this rank waited for and the last operation every
+rank completed together. docs/architecture.rst, "The collective guard".
 """
 
 from __future__ import annotations
@@ -34,9 +18,10 @@ from typing import NamedTuple
 
 import torch
 
-from zero3.comm import CommBackend, CommTimeoutError, PeerGoneError
+from zero3.comm import CommBackend, CommTimeoutError, PeerGoneError, Work
 
 __all__ = [
+    "Ballot",
     "CollectiveGuard",
     "FingerprintMismatchError",
     "Moment",
@@ -65,6 +50,7 @@ class OpKind(enum.IntEnum):
     SYNC = 6  #: merging in-place edits and rank 0's buffers
     FULL_GRAD = 7  #: ``full_grad``
     LOAD = 8  #: ``load_full_state_dict``
+    VOTE = 9  #: a vote every rank casts (``generate``'s "all ranks finished?")
 
     def describe(self) -> str:
         """Words for messages."""
@@ -73,11 +59,12 @@ class OpKind(enum.IntEnum):
             OpKind.FETCH: "gathered a module's parameters",
             OpKind.PREFETCH: "prefetched parameters",
             OpKind.GATHERED: "gathered parameters outside forward/backward "
-            "(gathered_parameters, full_state_dict)",
+            "(gathered_parameters, full_state_dict, unsharded, iter_full_parameters)",
             OpKind.REFRESH: "refreshed whole parameters after an optimizer step",
             OpKind.SYNC: "synchronised edits and buffers at the end of a step",
             OpKind.FULL_GRAD: "called full_grad",
             OpKind.LOAD: "called load_full_state_dict",
+            OpKind.VOTE: "voted whether every rank finished generating (generate)",
         }[self]
 
 
@@ -251,6 +238,22 @@ class CollectiveGuard:
             return
         raise FingerprintMismatchError(self._explain(rows))
 
+    def cast(self, op: Op, value: int) -> Ballot:
+        """Start exchanging ``op`` carrying this rank's ``value`` (in its ``nbytes``
+        word); :meth:`Ballot.result` waits for every rank's value and checks that all
+        ranks announced the same ``op`` otherwise.
+
+        One small host collective that is both the vote and its header, so a rank that
+        votes while a peer issues another zero3 collective fails, as :meth:`check` does.
+        The caller must know the guard is :attr:`active`.
+        """
+        channel = self.channel
+        assert channel is not None
+        out = torch.empty(channel.world_size * _WORDS, dtype=torch.int64)
+        work = channel.all_gather(out, dataclasses.replace(op, nbytes=value).encode())
+        self.exchanges += 1
+        return Ballot(self, op, work, out)
+
     def _explain(self, rows: list[list[int]]) -> str:
         ops = [Op.decode(row) for row in rows]
         lines = []
@@ -267,6 +270,36 @@ class CollectiveGuard:
             + f"\nLikely cause: {_likely_cause([o for o in ops if o is not None])}\n"
             + f"({self.last_words()}.)"
         )
+
+
+class Ballot:
+    """A vote in flight (:meth:`CollectiveGuard.cast`)."""
+
+    def __init__(self, guard: CollectiveGuard, op: Op, work: Work, out: torch.Tensor) -> None:
+        self._guard = guard
+        self._op = op
+        self._work = work
+        self._out = out
+
+    def result(self) -> list[int]:
+        """Every rank's value, once all ranks voted.
+
+        Raises:
+            FingerprintMismatchError: A rank announced something else.
+        """
+        guard = self._guard
+        with waiting_for(
+            lambda: (
+                f"rank {guard.rank} timed out in {guard.describe(self._op)}: a peer never "
+                f"issued its next zero3 collective ({guard.last_words()})"
+            )
+        ):
+            self._work.wait()
+        rows = self._out.view(-1, _WORDS).tolist()
+        if all(row[:4] == rows[0][:4] for row in rows):
+            guard.last_agreed = self._op
+            return [row[4] for row in rows]
+        raise FingerprintMismatchError(guard._explain(rows))
 
 
 def _likely_cause(ops: list[Op]) -> str:
@@ -286,8 +319,15 @@ def _likely_cause(ops: list[Op]) -> str:
         )
     if kinds & {OpKind.GATHERED, OpKind.FULL_GRAD} and len(kinds) > 1:
         causes.append(
-            "a collective helper (full_state_dict, gathered_parameters, full_grad) was "
-            "called on some ranks only; every rank must call it, in the same order."
+            "a collective helper (full_state_dict, gathered_parameters, full_grad, "
+            "unsharded, iter_full_parameters) was called on some ranks only, or a rank "
+            "stopped iterating iter_full_parameters early; every rank must call it, in the "
+            "same order, and consume the whole iterator."
+        )
+    if OpKind.VOTE in kinds and len(kinds) > 1:
+        causes.append(
+            "some ranks are generating (generate syncs every rank after each token) while "
+            "others run something else: call generate on every rank."
         )
     if len(steps) > 1:
         causes.append(

@@ -1,32 +1,11 @@
 """Gradient buckets: membership fixed at setup, rank-major flat buffers.
 
-Note (same reductions whatever the data):
-    Bucket membership comes from a deterministic parameter order (reverse
-    registration order, which is close to the order backward produces gradients),
-    never from the order gradients happen to arrive: under data-dependent routing that
-    order differs between ranks, and ranks would then pair different buckets in the
-    same collective. Buckets are also *launched* in index order: a bucket whose
-    members have all arrived waits for the buckets before it. Every rank therefore
-    issues the same reductions in the same order. A member that got no gradient on
-    this rank contributes zeros; every bucket is reduced once per backward.
-
-Note (reduction fingerprints):
-    Reductions add data up, so a fingerprint cannot ride along as bytes the way it does
-    in gathers. Instead every rank region ends with 16 elements holding the bits of the
-    bucket's key as 0.0/1.0. Averaged over ranks a bit stays exactly 0 or 1 when every
-    rank reduced the same bucket, and becomes a fraction on *every* rank when they did
-    not, so a rank whose bucket plan differs (or a forced arrival-order plan) is caught
-    at the epilogue, before any optimizer step uses the mixed gradients.
-
-Note (rank-major layout):
-    A bucket's flat buffer holds ``N`` regions of ``S`` elements; region ``r`` is chunk
-    ``r`` of every member's padded gradient. One reduce-scatter then leaves each rank
-    exactly its shard of every member, contiguous, in the order of the rank's
-    gradient-partition buffer, so on the first micro-step of a window it is reduced
-    straight into that buffer (overwriting the last window's shards: no zeroing pass)
-    and on later ones into a scratch region that is added (``add_``). The all-reduce
-    fallback reduces the whole buffer and slices region ``rank`` out: twice the bytes,
-    kept for backends without reduce-scatter.
+Membership and launch order come from a deterministic parameter order, never from the
+order gradients arrive (it differs between ranks under data-dependent routing), so every
+rank issues the same reductions; a member without a gradient here reduces as zeros. Each
+rank region ends with the bucket key's bits as 0.0/1.0: averaged over ranks they stay
+exact only if every rank reduced the same bucket. docs/architecture.rst, "The gradient
+lifecycle" (fixed buckets, rank-major layout, fingerprints inside reductions).
 """
 
 from __future__ import annotations

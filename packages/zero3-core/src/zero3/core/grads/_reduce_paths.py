@@ -1,31 +1,13 @@
 """Reduction strategies: how a bucket's gradients become this rank's gradient shards.
 
-Note (one class per strategy):
-    The gradient reducer (:class:`~zero3.core.GradReducer`) decides *when* a bucket is
-    reduced: buckets have fixed members and leave strictly in index order, so every
-    rank issues the same collectives. A :class:`ReducePath` decides *how*: where a
-    member's gradient waits until its bucket leaves (:meth:`ReducePath.take`) and which
-    collective turns the bucket into this rank's shard (:meth:`ReducePath.launch`).
-    Three strategies ship with core:
-
-    * :class:`ReduceScatterPath` - the rank-major flat buffer (contiguous gradients)
-      reduced by the backend's native reduce-scatter: each rank receives exactly its
-      shard, the bytes of a reduce-scatter;
-    * :class:`AllReducePath` - the same buffer all-reduced, this rank's region sliced
-      out afterwards: twice the bytes, for backends without a reduce-scatter (and for
-      comparison, ``grad_reduce_op="all_reduce"``);
-    * :class:`DiscretePath` - gradients kept as a list (``contiguous_gradients=False``)
-      and reduced by a coalesced list reduce-scatter.
-
-    Gradients that arrive after their bucket left are handled by
-    :class:`LateGradients`; a world of one reduces nothing (the reducer keeps each
-    gradient as autograd made it).
-
-Note (stream order):
-    Every buffer a collective reads is written on the compute stream. A strategy
-    therefore finishes packing *before* it makes the reduce stream wait for the compute
-    stream, and only then issues the collective on the reduce stream: on a GPU the
-    collective would otherwise read a buffer whose packing kernels have not run yet.
+The reducer decides *when* a bucket leaves; a :class:`ReducePath` decides *how*: where a
+member's gradient waits (:meth:`ReducePath.take`) and which collective turns the bucket
+into this rank's shard (:meth:`ReducePath.launch`). :class:`ReduceScatterPath` reduces the
+rank-major buffer with the backend's reduce-scatter, :class:`AllReducePath` all-reduces it
+and slices (twice the bytes: backends without a reduce-scatter), :class:`DiscretePath`
+keeps a list (``contiguous_gradients=False``). Every strategy packs on the compute stream
+*before* the reduce stream waits for it: on a device the collective would otherwise read a
+buffer whose packing has not run.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """GradReducer: buckets in, gradient shards out.
 
-Note (the gradient-partition buffer and accumulation):
-    Each rank keeps one flat buffer per reduce dtype holding its shard of every
-    trainable parameter's gradient, laid out bucket by bucket. The first backward of
-    an accumulation window writes reductions straight into it (``copy_``); later ones
-    add (``add_``), so accumulation costs no extra memory. The window ends at the
-    optimizer's step or at any ``zero_grad``.
-
-Note (the epilogue):
-    At the end of every backward the epilogue launches the buckets not yet launched
-    (members that got no gradient here reduce as zeros), waits for every reduction,
-    and runs one small all-reduce (MAX over uint8 flags) recording which parameters
-    got a gradient on any rank — so the optimizer can skip a parameter nobody
-    produced a gradient for, as plain PyTorch does — and which had a gradient arrive
-    after its bucket had left (reentrant checkpointing runs an inner backward; a
-    parameter used inside and outside the region gets two arrivals). Those late
-    gradients, if any rank has one, go through one more reduction that every rank
-    joins, decided by the flags, so no rank ever waits on another.
-
-The reducer is the driver: it owns the bucket plan, the launch order, the partition
-buffer, the in-flight queue and the fingerprint check. How a bucket is reduced is a
-:class:`~zero3.core.ReducePath` (see :mod:`zero3.core.grads._reduce_paths`).
+The reducer owns the bucket plan, the launch order, the gradient-partition buffer (one per
+reduce dtype; the first backward of a window writes it, later ones add, so accumulation
+costs no memory), the in-flight queue and the fingerprint check; how a bucket is reduced
+is a :class:`~zero3.core.engine.ReducePath`. Its half of the epilogue flushes, waits, and
+exchanges one flag per parameter for "got a gradient on some rank" (the optimizer skips
+the rest, as plain PyTorch does) and "arrived after its bucket left" (reentrant
+checkpointing; one more reduction every rank joins). docs/architecture.rst, "The
+epilogue, per graph task".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -26,9 +26,10 @@ from zero3.core.diag._tracer import Tracer
 from zero3.core.grads._reducer import GradReducer
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
+from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
 from zero3.core.params import _params
 from zero3.core.params._broadcast import broadcast_from_rank0
-from zero3.core.params._coordinator import GATHERED_PARAMETERS, ParamCoordinator
+from zero3.core.params._coordinator import GATHERED_PARAMETERS, UNSHARDED, ParamCoordinator
 from zero3.core.params._params import ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
 
@@ -41,6 +42,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger("zero3.core")
+
+#: generate's votes a rank still generating may leave in flight (see all_finished).
+_VOTES_IN_FLIGHT = 4
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardedModelState] = weakref.WeakKeyDictionary()
 _PARAM_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -128,6 +132,11 @@ class ShardedModelState:
             sp.grads = self.reducer
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
+        self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
+        #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
+        self.unsharded_blocks = 0
+        #: The plan of the ``unsharded`` block open now, if any.
+        self.unsharded_plan: UnshardedPlan | None = None
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -335,15 +344,103 @@ class ShardedModelState:
 
     # -- gathering outside the hooks -------------------------------------------------------
 
-    def pin(self, params: Sequence[ShardedParam]) -> None:
+    def pin(self, params: Sequence[ShardedParam], purpose: int = GATHERED_PARAMETERS) -> None:
         """Gather ``params`` and keep them whole across steps until :meth:`unpin`
-        (``gathered_parameters``; a collective).
+        (``gathered_parameters``; a collective). ``purpose`` names the caller in headers
+        and fingerprints (``zero3.core.params._coordinator``'s pseudo-module indices).
         """
-        self.coordinator.fetch_params(params, GATHERED_PARAMETERS, self.step.moment(), pin=True)
+        self.coordinator.fetch_params(params, purpose, self.step.moment(), pin=True)
 
     def unpin(self, params: Sequence[ShardedParam]) -> None:
         """Drop :meth:`pin`'s hold; parameters no module holds are released."""
         self.coordinator.release_params(params, pin=True)
+
+    def open_unsharded(self, max_bytes: int | None) -> UnshardedPlan:
+        """Begin a ``zero3.hooks.unsharded`` block (a collective): plan what it keeps
+        gathered (``zero3.core.model._unshard``) and gather it in runs of at most
+        ``prefetch_bucket_size`` elements (their headers check every rank does the same).
+
+        Raises:
+            RuntimeError: A block or a step is open (:meth:`TrainingStep.enter_unsharded`).
+            FingerprintMismatchError: The ranks do not all enter the same block.
+        """
+        self.step.enter_unsharded()
+        self.unsharded_blocks += 1
+        plan = plan_unsharded(self.coordinator, self.params, max_bytes)
+        pinned: list[ShardedParam] = []
+        try:
+            # No header of its own: the gathers' headers name the block and the set of
+            # parameters, so ranks entering different blocks (or one not entering) fail.
+            self.coordinator.traces["unsharded"].invalidate()
+            self.coordinator.cap_bytes = plan.cap_bytes
+            for piece in chunks(plan.pinned, max(1, self.config.prefetch_bucket_size)):
+                pinned.extend(piece)
+                self.pin(piece, UNSHARDED)
+        except BaseException:
+            self._end_unsharded(pinned, clean=False)
+            raise
+        self.unsharded_plan = plan
+        return plan
+
+    def close_unsharded(self, plan: UnshardedPlan, *, clean: bool) -> None:
+        """End a block: with ``clean`` (every rank leaves it normally; a collective) merge
+        the edits made inside it and rank 0's buffers first, then release what it kept.
+        A block left by an exception only releases (no collective a peer may not join).
+        """
+        self._end_unsharded(plan.pinned, clean=clean)
+
+    def _end_unsharded(self, pinned: Sequence[ShardedParam], *, clean: bool) -> None:
+        self.coordinator.cap_bytes = None
+        self.unsharded_plan = None
+        try:
+            if clean:
+                self.synchronize()
+        finally:
+            self.unpin(pinned)
+            self.step.exit_unsharded()
+
+    def all_finished(self, done: bool) -> bool:
+        """Whether every rank is ``done``: ``generate``'s stopping vote, a collective every
+        rank casts once per decoding step.
+
+        Note (votes left in flight):
+            A rank still generating knows the answer ("no"): it casts its vote and
+            returns, leaving up to ``_VOTES_IN_FLIGHT`` in flight; a rank that is done
+            waits for all of its votes. The answer is "yes" only when every rank voted
+            done, and then every rank waited for that vote, so all decide alike.
+        """
+        if self.comm.world_size == 1:
+            return done
+        ballot = self._cast_vote(done)
+        self.stats.current.other_collectives += 1
+        if not done:
+            self._ballots.append(ballot)
+            while len(self._ballots) > _VOTES_IN_FLIGHT:
+                self._ballots.pop(0)()
+            return False
+        self.settle_votes()
+        return ballot()
+
+    def settle_votes(self) -> None:
+        """Wait for (and check) the votes :meth:`all_finished` left in flight."""
+        ballots, self._ballots = self._ballots, []
+        for ballot in ballots:
+            ballot()
+
+    def _cast_vote(self, done: bool) -> Callable[[], bool]:
+        if self.guard.active:
+            op = Op(OpKind.VOTE, self.step.number, int(self.step.moment().phase))
+            ballot = self.guard.cast(op, int(done))
+            return lambda: all(ballot.result())
+        flag = torch.tensor([1.0 if done else 0.0], device=self.comm.device())
+        work = self.comm.all_reduce(flag, op=ReduceOp.SUM)
+
+        def result() -> bool:
+            with waiting_for(lambda: f"rank {self.comm.rank} timed out in generate's vote"):
+                work.wait()
+            return float(flag.item()) == self.comm.world_size
+
+        return result
 
     def add_external(self, module: nn.Module, sp: ShardedParam) -> None:
         """``module``'s forward uses ``sp``, which it does not own: gather it with it."""

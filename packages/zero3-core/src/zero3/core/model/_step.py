@@ -86,6 +86,7 @@ class TrainingStep:
         self._pending: dict[int, int] = {}  # forward calls whose backward has not run
         self._passes: dict[int, int] = {}  # backward passes that entered a module
         self._tasks: list[int] = []  # graph tasks with an epilogue queued, outermost first
+        self._unsharded = False  # inside zero3.hooks.unsharded: steps follow its own trace
 
     # -- what the rest of zero3 reads ----------------------------------------------------
 
@@ -113,6 +114,11 @@ class TrainingStep:
     def busy(self) -> bool:
         """A step is open or gradients are accumulating (no re-planning now)."""
         return self._open or self._micro_steps > 0
+
+    @property
+    def unsharded(self) -> bool:
+        """Whether a ``zero3.hooks.unsharded`` block is open on the model."""
+        return self._unsharded
 
     def running(self) -> int | None:
         """The module whose forward runs now (innermost), or None."""
@@ -225,6 +231,39 @@ class TrainingStep:
         if self._open:
             self._close()
 
+    # -- zero3.hooks.unsharded ----------------------------------------------------------
+
+    def enter_unsharded(self) -> None:
+        """An ``unsharded`` block opens: the steps inside it (forwards of modules whose
+        hooks stay) follow a trace of their own, so no training or inference trace
+        learns their module order.
+
+        Raises:
+            RuntimeError: A block is open already, or a step is: a forward runs, or a
+                training forward's backward has not run yet.
+        """
+        if self._unsharded:
+            raise RuntimeError(
+                "zero3.hooks.unsharded: the model is inside an unsharded() block already; "
+                "blocks do not nest (the outer one keeps its parameters gathered)"
+            )
+        if self._open or self._stack:
+            raise RuntimeError(
+                "zero3.hooks.unsharded: a step of the model is in progress (a forward is "
+                "running, or the backward of a training forward has not run yet). Enter "
+                "unsharded() between steps: after backward, or before the next forward"
+            )
+        self._unsharded = True
+
+    def exit_unsharded(self) -> None:
+        """The ``unsharded`` block ends: a step it left open (a forward that raised) is
+        closed, so the next step opens afresh on its own trace.
+        """
+        self._unsharded = False
+        if self._open and not in_backward():
+            self._close()
+        self._stack.clear()
+
     # -- inside -----------------------------------------------------------------------------
 
     def _open_if_closed(self) -> None:
@@ -234,7 +273,7 @@ class TrainingStep:
             self._open = True
             self._number += 1
             self._training = torch.is_grad_enabled()
-            self._coordinator.begin_pass(self._training)
+            self._coordinator.begin_pass(self._training, "unsharded" if self._unsharded else None)
             self._stats.rotate()
 
     def _close(self) -> None:

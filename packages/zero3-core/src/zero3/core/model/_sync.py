@@ -1,38 +1,11 @@
 """Keeping ranks consistent: the same model at ``shard_module``, edits and buffers after.
 
-Note (the same model on every rank):
-    Every later collective assumes the ranks sharded identical models with identical
-    settings: the bucket plan, the gather layouts and their sizes all follow from them.
-    ``shard_module`` therefore first compares a digest of the configuration and of
-    every parameter (name, shape, dtype, trainable), leaf marking and registered
-    external parameter across ranks, before any collective whose size depends on
-    them. On a mismatch the ranks exchange their descriptions and every rank raises an
-    error naming the first differences (which field or parameter, each rank's value).
-
-Note (in-place edits of whole parameters):
-    A parameter that is whole on a rank — persistent, gathered for a module, or inside
-    ``gathered_parameters`` — can be edited in place: ``nn.Embedding(max_norm=...)``
-    renormalises the rows it looks up during forward, code re-initialises weights after
-    sharding, a user scales a bias between steps. Without care the edit would live only
-    in that rank's temporary copy and vanish at the next release or refresh. zero3
-    detects edits by the parameter's autograd version counter (its own fills swap
-    storages and never move it; ``param.data`` edits bypass the counter and are not
-    seen), keeps a copy of an edited parameter that is released, and at the next
-    synchronisation point (the end of every step, the optimizer's step and
-    construction, state dicts) merges every rank's edits into the shards and the fp32
-    masters: each element takes the value a rank wrote to it; where several ranks
-    wrote the same element, the largest written value (a written value, never a sum or
-    a mean). Whole copies are then refreshed, so every rank sees the merged parameter.
-
-Note (buffers):
-    Buffers are not sharded: each rank keeps its own. Like DDP (``broadcast_buffers``),
-    zero3 makes rank 0's buffers win: at every synchronisation point rank 0's
-    persistent buffers (those ``state_dict`` saves) are broadcast, so running
-    statistics (BatchNorm) are identical on every rank and ``full_state_dict`` returns
-    the same buffers everywhere. All of them, every time: BatchNorm updates its running
-    statistics inside its kernel without moving their version counters, so changes
-    cannot be detected. Non-persistent buffers (causal masks, rotary frequencies) are
-    computed by the model itself and are left alone.
+Every later collective assumes identical models, so ``shard_module`` first compares a
+digest of the configuration and every parameter across ranks and raises on every rank
+naming the differences. In-place edits of whole parameters (seen by their version
+counters) are merged into the shards and masters at each synchronisation point, each
+element taking a value some rank wrote; rank 0's persistent buffers win, as under DDP.
+The rules and why: docs/architecture.rst, "Keeping ranks consistent".
 """
 
 from __future__ import annotations

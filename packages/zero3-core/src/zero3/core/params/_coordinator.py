@@ -53,6 +53,8 @@ from zero3.core.params._pool import BufferPool
 __all__ = [
     "GATHERED_PARAMETERS",
     "MAX_INFLIGHT_PREFETCHES",
+    "STREAMED",
+    "UNSHARDED",
     "ParamCoordinator",
     "Trace",
     "TraceState",
@@ -62,8 +64,17 @@ _log = logging.getLogger("zero3.core")
 
 #: Prefetch gathers allowed in flight at once (each holds its buffers until consumed).
 MAX_INFLIGHT_PREFETCHES = 2
-#: Module index used in fingerprints of gathers that no module asked for.
+#: Module indices used in fingerprints and headers of gathers that no module asked for:
+#: ``gathered_parameters`` (and state dicts, refreshes), ``zero3.hooks.unsharded``, and
+#: ``zero3.hooks.iter_full_parameters``.
 GATHERED_PARAMETERS = -1
+UNSHARDED = -2
+STREAMED = -3
+_PSEUDO_MODULES = {
+    GATHERED_PARAMETERS: "zero3.core.gathered_parameters",
+    UNSHARDED: "zero3.hooks.unsharded",
+    STREAMED: "zero3.hooks.iter_full_parameters",
+}
 
 
 class TraceState(enum.Enum):
@@ -199,7 +210,9 @@ class ParamCoordinator:
         self._layouts: dict[tuple[int, ...], GatherLayout] = {}
         self.stats = stats
         self.pool = pool
-        self.traces = {"train": Trace("train"), "infer": Trace("infer")}
+        # One trace per kind of step; "unsharded" is for the steps inside
+        # zero3.hooks.unsharded, whose module order is not that of a plain step.
+        self.traces = {name: Trace(name) for name in ("train", "infer", "unsharded")}
         self.trace = self.traces["train"]
         self.position = 0
         self.diverged = False
@@ -216,6 +229,9 @@ class ParamCoordinator:
         self._high_bytes = 0  # most gathered bytes at once in this step
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
+        #: With a bound (``zero3.hooks.unsharded(max_bytes=...)``): prefetches never take
+        #: the gathered bytes past it, and modules release on exit (no reuse window).
+        self.cap_bytes: int | None = None
 
     @staticmethod
     def _child_lists(modules: Sequence[tuple[str, nn.Module]]) -> list[list[int]]:
@@ -235,8 +251,8 @@ class ParamCoordinator:
 
     def describe(self, module_index: int) -> str:
         """Qualified name of a module index (for messages)."""
-        if module_index == GATHERED_PARAMETERS:
-            return "zero3.core.gathered_parameters"
+        if module_index in _PSEUDO_MODULES:
+            return _PSEUDO_MODULES[module_index]
         if 0 <= module_index < len(self.names):
             return self.names[module_index]
         return f"<unknown module #{module_index}>"
@@ -313,11 +329,11 @@ class ParamCoordinator:
 
     # -- passes (the training step opens and ends them) ------------------------------------
 
-    def begin_pass(self, training: bool) -> None:
-        """A step begins: ``training`` picks the training or the inference trace, whose
-        module order this pass records or follows.
+    def begin_pass(self, training: bool, trace: str | None = None) -> None:
+        """A step begins: ``training`` picks the training or the inference trace (or
+        ``trace`` names one), whose module order this pass records or follows.
         """
-        self.trace = self.traces["train" if training else "infer"]
+        self.trace = self.traces[trace or ("train" if training else "infer")]
         if self.trace.state is TraceState.INVALID:
             self.trace.start_recording()
         self.position = 0
@@ -400,7 +416,7 @@ class ParamCoordinator:
         index = self.index_of(module)
         params = self.fetch_set(index)
         keep: frozenset[int] = frozenset()
-        if self.trace.state is TraceState.COMPLETE and not self.diverged:
+        if self.trace.state is TraceState.COMPLETE and not self.diverged and self.cap_bytes is None:
             keep = self.trace.reused_within(self.position, index, self.config.max_reuse_distance)
         for sp in params:
             sp.holds = max(0, sp.holds - 1)
@@ -489,7 +505,7 @@ class ParamCoordinator:
         self, params: list[ShardedParam], index: int, at: Moment, prefetch: bool
     ) -> GatherHandle:
         layout = self._layout(params)
-        if index == GATHERED_PARAMETERS:
+        if index in _PSEUDO_MODULES:
             kind = OpKind.GATHERED
         else:
             kind = OpKind.PREFETCH if prefetch else OpKind.FETCH
@@ -635,6 +651,7 @@ class ParamCoordinator:
             self.config.prefetch_bucket_size,
             self.config.max_live_parameters - self.live_numel,
         )
+        room = None if self.cap_bytes is None else self.cap_bytes - self.live_bytes
         trace = self.trace
         order = trace.param_order
         # Scan from the next fetch on, in trace order. An entry already whole is skipped
@@ -656,6 +673,10 @@ class ParamCoordinator:
                 continue
             if total + sp.numel > budget:
                 break
+            if room is not None:
+                room -= sp.numel * sp.shard.element_size()
+                if room < 0:
+                    break
             chosen[sp.index] = (sp, entry_position)
             total += sp.numel
         handles = [

@@ -1,22 +1,10 @@
 """Coalesced parameter gathers that carry a fingerprint of what each rank fetches.
 
-Note (one collective per fetch, whatever the dtypes):
-    A fetch packs the shards of all its parameters into one byte buffer, 16-byte
-    aligned per parameter, and gathers it with one all-gather of ``uint8``. Gathers
-    only move bytes, so parameters of different dtypes (fp32 norms beside bf16
-    matrices) share the collective.
-
-Note (fingerprints):
-    The last 16 bytes of every rank's chunk hold a fingerprint: a magic number, the
-    index of the module the rank is fetching for, a CRC of the parameter indices in
-    the gather, and its byte size. After the gather every rank holds every rank's
-    fingerprint, so a mismatch (ranks running different modules: data-dependent
-    routing without a leaf marking) is caught on every rank at once, with no extra
-    collective, and reported with each rank's module. Same-sized gathers of
-    different parameters therefore never silently mix shards. Gathers of *different*
-    sizes are caught by the transport itself (gloo aborts the rank whose buffer is
-    too small with "Is there a distributed collective mismatch?"), while the rank with
-    the larger buffer finds a foreign fingerprint and raises the error below.
+A fetch packs its parameters' shards into one byte buffer (so dtypes share the
+collective); the last 16 bytes of each rank's chunk say what the rank fetches (module,
+parameter set, size). After the gather every rank sees every rank's, so ranks that
+paired gathers for different modules fail together with no extra collective.
+docs/architecture.rst, "One coalesced, fingerprinted gather per fetch".
 """
 
 from __future__ import annotations

@@ -1,43 +1,12 @@
 """Sharded state dicts: each rank's flat slice described to torch.distributed.checkpoint.
 
-Note (a flat slice as boxes):
-    zero3 flattens every parameter, pads it to a multiple of the world size N and gives
-    rank r the flat elements ``[r*s, min((r+1)*s, numel))``. Such a range of an n-d
-    tensor is not a box (a rectangular block), and DCP (torch.distributed.checkpoint)
-    describes tensors by boxes: a global shape plus chunks with offsets and sizes. A
-    flat range is, though, the union of a few boxes, each of them contiguous in the
-    flat order: the partial leading row, the block of whole rows, the partial trailing
-    row, and recursively inside those partial rows. That is at most ``2*(ndim-1)+1``
-    boxes. Each box is a plain view of the rank's flat shard (no copy), so a parameter
-    becomes a ``ShardedTensor`` with several local shards per rank, in its natural
-    global shape, under the unsharded model's ``state_dict()`` key. DCP then saves,
-    reshards and merges it like any other checkpoint: a checkpoint saved at one world
-    size loads at another, and ``dcp_to_torch_save`` rebuilds the whole tensors.
-    The alternative, a layout that is one box per rank (sharding along dim 0, as
-    FSDP2's ``DTensor`` does), would change how zero3 partitions parameters (uneven
-    rows, padding per row) only for the checkpoint's sake; DTensor cannot hold more
-    than one box per rank.
-
-Note (building ShardedTensors without communication):
-    The public constructor ``init_from_local_shards`` exchanges every rank's shard
-    metadata with an ``all_gather_object`` per tensor: hundreds of collectives for a
-    model. Every rank can compute every rank's boxes from the shape and the world size
-    alone, so zero3 builds the global ``ShardedTensorMetadata`` locally and calls
-    ``ShardedTensor._init_from_local_shards_and_global_metadata``: the constructor that
-    torch's own FSDP, DCP and sharding specs use for the same reason, which validates
-    the boxes (no overlap, full coverage) and communicates nothing. It is the least
-    private door torch 2.13 offers for that; the classes it takes (``Shard``,
-    ``ShardMetadata``, ``ShardedTensorMetadata``) are public. It still needs every
-    rank's boxes (O(world size) metadata per tensor).
-
-Note (ShardedTensor is deprecated):
-    torch marks ``ShardedTensor`` deprecated in favour of ``DTensor`` and warns (a
-    ``FutureWarning``) whenever DCP's load planner touches one. zero3 filters exactly
-    that warning around its own DCP calls (``quiet_dcp_warnings``).
-    Nothing of the ShardedTensor type reaches the files: a DCP checkpoint stores
-    tensors by key, global shape and boxes. If torch drops ShardedTensor, the same
-    boxes go to DCP through a custom ``SavePlanner``/``LoadPlanner`` (one ``WriteItem``
-    or ``ReadItem`` per box, public planner API) and existing checkpoints stay readable.
+A rank's flat range of a parameter is the union of a few boxes (at most ``2*(ndim-1)+1``),
+each a plain view of its shard, so a parameter becomes a ``ShardedTensor`` in its natural
+shape under the unsharded model's key and DCP saves, reshards and merges it like any
+other. The ShardedTensors are built from metadata every rank computes alone (no
+collective per tensor), and nothing of the type reaches the files. Why boxes and not
+DTensor, and what happens if torch drops ShardedTensor: docs/checkpoints.rst, "Flat
+shards as boxes".
 """
 
 from __future__ import annotations
