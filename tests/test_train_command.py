@@ -169,7 +169,6 @@ def test_save_and_resume_continue_the_loss_curve(tmp_path):
 
 
 def test_default_model_really_shards():
-    sys.path.insert(0, str(ROOT / "tools"))
     from _train.data import CharCorpus
     from _train.model import GPT, GPTConfig
     from _train.settings import parser, settings_from
@@ -182,7 +181,6 @@ def test_default_model_really_shards():
 
 
 def test_help_gives_every_flag_a_text_and_its_real_default():
-    sys.path.insert(0, str(ROOT / "tools"))
     from _train.settings import _HelpFormatter, parser
 
     p = parser()
@@ -201,7 +199,6 @@ def _first_loss(out: str) -> str:
 
 
 def test_init_empty_and_from_weights(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
     import torch
     from _train.data import CharCorpus
     from _train.model import GPT, GPTConfig

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import torch
-from _bench.workload import GPT  # the benchmark's model (tools/ is this script's path)
+from _bench.workload import GPT  # the benchmark's model (zero3-tools, installed by gpu_check.sh)
 from torch import nn
 
 RESULT = "GPU_CHECK_RESULT "

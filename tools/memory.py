@@ -45,8 +45,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from _bench.workload import Workload
 from _train.launch import free_port, rank_env
 from _train.report import peak_rss_bytes, rss_baseline
