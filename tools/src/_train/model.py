@@ -1,23 +1,62 @@
-"""A GPT-style model (pre-norm blocks, tied embeddings) and sampling."""
+"""The GPT of the main job, the benchmarks and the tests, and sampling from it.
+
+One definition in three layouts. Every layout builds the same modules in the same order
+(so a seed gives the same weights) and computes the same function; they differ in the
+parameter names and in which parts are modules of their own (hooks run per module),
+which the checkpoints and the figures made with each depend on:
+
+- ``"job"``: ``tools/train.py``'s model (``tok``, ``pos``, ``blocks.N.attn.qkv``,
+  ``blocks.N.fc``, ``head``): attention is a module of its own;
+- ``"flat"``: ``tools/bench.py``'s benchmark GPT (``blocks.N.qkv``): a block has no
+  submodules besides its layers;
+- ``"gpt2"``: ``zero3.testing.models.TinyGPT`` (``wte``, ``wpe``, ``blocks.N.mlp.fc``,
+  ``lm_head``): GPT-2's names, attention and MLP each a module.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+Layout = Literal["job", "flat", "gpt2"]
+
+#: Per layout: the names of the token embedding, the position embedding and the head,
+#: and whether a block's attention and its MLP are modules of their own.
+LAYOUTS: dict[str, tuple[tuple[str, str, str], bool, bool]] = {
+    "job": (("tok", "pos", "head"), True, False),
+    "flat": (("tok", "pos", "head"), False, False),
+    "gpt2": (("wte", "wpe", "lm_head"), True, True),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Model shape."""
+    """Model shape and layout.
+
+    Attributes:
+        vocab_size: Tokens.
+        n_layer: Transformer blocks.
+        d_model: Hidden size.
+        n_head: Attention heads (they divide ``d_model``).
+        seq_len: Positions.
+        tied: The head uses the token embedding's weight (one ``nn.Parameter``).
+        layout: Parameter names (module docstring).
+        init: ``"normal"``: :meth:`GPT.init_weights` (std 0.02, zero biases);
+            ``"torch"``: each layer's own ``reset_parameters`` (construction order).
+    """
 
     vocab_size: int
     n_layer: int = 3
     d_model: int = 384
     n_head: int = 6
     seq_len: int = 128
+    tied: bool = True
+    layout: Layout = "job"
+    init: Literal["normal", "torch"] = "normal"
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -25,53 +64,100 @@ class GPTConfig:
         for name in ("n_layer", "d_model", "n_head", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+        if self.init not in ("normal", "torch"):
+            raise ValueError(f"init must be 'normal' or 'torch', got {self.init!r}")
 
 
-class SelfAttention(nn.Module):
-    """Causal multi-head self-attention."""
+def attend(owner: nn.Module, n_head: int, x: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention through ``owner.qkv`` and ``owner.proj``."""
+    b, t, d = x.shape
+    q, k, v = owner.qkv(x).view(b, t, 3, n_head, d // n_head).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return owner.proj(y.transpose(1, 2).reshape(b, t, d))  # type: ignore[no-any-return]
 
-    def __init__(self, cfg: GPTConfig) -> None:
+
+def feed_forward(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP through ``owner.fc`` and ``owner.out``."""
+    return owner.out(F.gelu(owner.fc(x)))  # type: ignore[no-any-return]
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention as a module of its own."""
+
+    def __init__(self, d_model: int, n_head: int) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return attend(self, self.n_head, x)
+
+
+class MLP(nn.Module):
+    """Two linear layers with a GELU, as a module of its own."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden)
+        self.out = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return feed_forward(self, x)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block (``hidden``: the MLP's width, default ``4 * d_model``)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(
+        self, d_model: int, n_head: int, layout: Layout = "job", hidden: int | None = None
+    ) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = SelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        _, self.attention_module, self.mlp_module = LAYOUTS[layout]
+        hidden = hidden or 4 * d_model
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d_model)
+        if self.attention_module:
+            self.attn = Attention(d_model, n_head)
+        else:
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        if self.mlp_module:
+            self.mlp = MLP(d_model, hidden)
+        else:
+            self.fc = nn.Linear(d_model, hidden)
+            self.out = nn.Linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        h = self.ln1(x)
+        x = x + (self.attn(h) if self.attention_module else attend(self, self.n_head, h))
+        h = self.ln2(x)
+        return x + (self.mlp(h) if self.mlp_module else feed_forward(self, h))
 
 
 class GPT(nn.Module):
-    """GPT with tied token embedding / output projection."""
+    """A GPT of pre-norm blocks; ``model(idx)`` gives logits, ``model(idx, targets)`` the
+    cross-entropy loss (computed in fp32, inside the model's forward)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self._names = LAYOUTS[cfg.layout][0]
+        tok, pos, head = self._names
+        self.add_module(tok, nn.Embedding(cfg.vocab_size, cfg.d_model))
+        self.add_module(pos, nn.Embedding(cfg.seq_len, cfg.d_model))
+        self.blocks = nn.ModuleList(
+            Block(cfg.d_model, cfg.n_head, cfg.layout) for _ in range(cfg.n_layer)
+        )
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok.weight
-        self.apply(self.init_weights)
+        self.add_module(head, nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
+        if cfg.tied:
+            self.get_submodule(head).weight = self.get_submodule(tok).weight
+        if cfg.init == "normal":
+            self.apply(self.init_weights)
 
     @staticmethod
     def init_weights(module: nn.Module) -> None:
@@ -83,12 +169,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        tok, pos, head = (self.get_submodule(name) for name in self._names)
+        x = tok(idx) + pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = head(self.ln_f(x))
+        if targets is None:
+            return logits
+        logits = logits.float()  # the loss in fp32 for bf16 models
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 @torch.no_grad()
