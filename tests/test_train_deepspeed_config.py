@@ -24,7 +24,6 @@ TINY = [
 ]  # fmt: skip
 
 
-
 def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {
         k: v
