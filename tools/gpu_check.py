@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.job == "worker":
         print(RESULT + json.dumps(run_system(args.system, args)), flush=True)
         sys.stdout.flush()
-        os._exit(0)  # skip teardown of the process group threads (see tools/_train/launch.py)
+        os._exit(0)  # skip teardown of the process group threads (:ref:`fact-gloo-teardown`)
     if args.job == "parity":
         result = parity(args)
         problems = check_parity(result)

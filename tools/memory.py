@@ -24,7 +24,7 @@ The bounds are checked with glibc's mmap threshold pinned (``MALLOC_MMAP_THRESHO
 raises the threshold to the size of every large block freed (up to 32 MiB), after which
 the forward's activations of a few MiB come from the heap, whose holes are not handed
 back, and the resident set creeps up layer by layer (measured on the benchmark GPT: 1 to 5
-MiB per block, 26 MiB more after one forward; docs/facts.rst). The creep is the
+MiB per block, 26 MiB more after one forward; :ref:`fact-mmap-threshold`). The creep is the
 allocator's, not zero3's, and eager PyTorch pays it too; the zero3 path is also run with
 glibc's default and printed beside (not checked), so both are on record.
 
@@ -230,7 +230,7 @@ def worker_main(kind: str, spec: dict[str, Any]) -> None:
         result = {"rank": int(os.environ.get("RANK", "0")), "crash": f"{type(exc).__name__}: {exc}"}
     print(RESULT + json.dumps(result), flush=True)
     sys.stderr.flush()
-    os._exit(0)  # a finished gloo rank can abort at exit (docs/facts.rst, fact-gloo-teardown)
+    os._exit(0)  # a finished gloo rank can abort at exit (:ref:`fact-gloo-teardown`)
 
 
 def launch(
