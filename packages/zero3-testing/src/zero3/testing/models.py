@@ -181,8 +181,8 @@ class Checkpointed(nn.Module):
 
     With reentrant checkpointing the inner backward (the recomputed region) and the
     outer one each deliver a part of ``shared``'s gradient: its post-accumulate-grad
-    hook fires twice in one backward (docs/facts.rst). The parts must accumulate, never
-    reduce twice.
+    hook fires twice in one backward (:ref:`fact-reentrant-double-hook`). The parts must
+    accumulate, never reduce twice.
     """
 
     def __init__(self, reentrant: bool, dim: int = 16, layers: int = 2) -> None:
