@@ -156,13 +156,25 @@ def _cap_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "cap": cap, "data": data, "peak": peak_rss_bytes(), **outcome}
 
 
-def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One checkpoint operation's peak RSS growth (``spec["phase"]``, one of ``PHASES``).
+def _consolidate_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Consolidation's peak RSS growth: one process, no process group (as
+    ``zero3-consolidate`` runs)."""
+    import time
 
-    A rank builds a stack of equal bias-free linears, shards it and takes one AdamW step
-    (so the optimizer state exists; not for ``load-fresh``), then measures the operation
-    from a baseline taken just before it. ``consolidate`` runs in one process, without a
-    process group, as ``zero3-consolidate`` does.
+    from zero3.optim import consolidate_checkpoint
+
+    base = rss_baseline()
+    start = time.perf_counter()
+    consolidate_checkpoint(spec["dir"], spec["dir"] + "-hf")
+    return {"rank": 0, "growth": peak_rss_bytes() - base, "seconds": time.perf_counter() - start}
+
+
+def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank's peak RSS growth in a checkpoint operation (``spec["phase"]``).
+
+    The rank builds a stack of equal bias-free linears, shards it and takes one AdamW
+    step (so the optimizer state exists; not for ``load-fresh``), then measures the
+    operation from a baseline taken just before it.
     """
     import time
 
@@ -172,23 +184,9 @@ def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from zero3.comm import create_backend
     from zero3.core import Zero3Config
     from zero3.hooks import shard_module
-    from zero3.optim import (
-        PartitionedOptimizer,
-        consolidate_checkpoint,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 
     phase, path = spec["phase"], spec["dir"]
-    if phase == "consolidate":
-        base = rss_baseline()
-        start = time.perf_counter()
-        consolidate_checkpoint(path, path + "-hf")
-        return {
-            "rank": 0,
-            "growth": peak_rss_bytes() - base,
-            "seconds": time.perf_counter() - start,
-        }
     torch.set_num_threads(1)
     comm = create_backend("gloo", timeout_s=600)
     dim = int((spec["mib"] * MiB / 4 / spec["layers"]) ** 0.5)
@@ -219,7 +217,12 @@ def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "returned": returned}  # fmt: skip
 
 
-_WORKERS = {"cap": _cap_worker, "checkpoint": _checkpoint_worker, "bounds": _bounds_worker}
+_WORKERS = {
+    "bounds": _bounds_worker,
+    "cap": _cap_worker,
+    "checkpoint": _checkpoint_worker,
+    "consolidate": _consolidate_worker,
+}
 
 
 def worker_main(kind: str, spec: dict[str, Any]) -> None:
@@ -452,10 +455,9 @@ def checkpoint(mib: int, layers: int, world: int, phases: list[str], timeout: fl
     try:
         spec = {"dir": str(Path(root) / "ckpt"), "mib": mib, "layers": layers}
         for phase in ["save", *(p for p in phases if p != "save")]:
-            n = 1 if phase == "consolidate" else world
+            kind, n = ("consolidate", 1) if phase == "consolidate" else ("checkpoint", world)
             rows += [
-                {"phase": phase, **r}
-                for r in launch("checkpoint", n, {**spec, "phase": phase}, timeout)
+                {"phase": phase, **r} for r in launch(kind, n, {**spec, "phase": phase}, timeout)
             ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
