@@ -138,47 +138,64 @@ class Block(nn.Module):
         return x + (self.mlp(h) if self.mlp_module else feed_forward(self, h))
 
 
+def init_weights(module: nn.Module) -> None:
+    """Initialise one module's own parameters the ``"normal"`` way (also zero3's
+    ``param_init_fn``)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
+
+
+def add_gpt_layers(model: nn.Module, cfg: GPTConfig) -> None:
+    """Give ``model``, a module just initialised, the GPT's layers for ``cfg`` (named as its
+    layout says) and keep ``cfg`` as ``model.cfg``: what :class:`GPT` is made of, for a
+    class of its own (``zero3.testing.models.TinyGPT``) to build the same model."""
+    model.cfg = cfg
+    tok, pos, head = LAYOUTS[cfg.layout][0]
+    model.add_module(tok, nn.Embedding(cfg.vocab_size, cfg.d_model))
+    model.add_module(pos, nn.Embedding(cfg.seq_len, cfg.d_model))
+    model.blocks = nn.ModuleList(
+        Block(cfg.d_model, cfg.n_head, cfg.layout) for _ in range(cfg.n_layer)
+    )
+    model.ln_f = nn.LayerNorm(cfg.d_model)
+    model.add_module(head, nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
+    if cfg.tied:
+        model.get_submodule(head).weight = model.get_submodule(tok).weight
+    if cfg.init == "normal":
+        model.apply(init_weights)
+
+
+def gpt_forward(
+    model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The forward of a model built by :func:`add_gpt_layers`: logits, or with
+    ``targets`` the cross-entropy loss (in fp32, inside the model's forward)."""
+    tok, pos, head = (model.get_submodule(name) for name in LAYOUTS[model.cfg.layout][0])
+    x = tok(idx) + pos(torch.arange(idx.shape[1], device=idx.device))
+    for block in model.blocks:
+        x = block(x)
+    logits: torch.Tensor = head(model.ln_f(x))
+    if targets is None:
+        return logits
+    logits = logits.float()  # the loss in fp32 for bf16 models
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     """A GPT of pre-norm blocks; ``model(idx)`` gives logits, ``model(idx, targets)`` the
-    cross-entropy loss (computed in fp32, inside the model's forward)."""
+    cross-entropy loss."""
+
+    init_weights = staticmethod(init_weights)
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.cfg = cfg
-        self._names = LAYOUTS[cfg.layout][0]
-        tok, pos, head = self._names
-        self.add_module(tok, nn.Embedding(cfg.vocab_size, cfg.d_model))
-        self.add_module(pos, nn.Embedding(cfg.seq_len, cfg.d_model))
-        self.blocks = nn.ModuleList(
-            Block(cfg.d_model, cfg.n_head, cfg.layout) for _ in range(cfg.n_layer)
-        )
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.add_module(head, nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
-        if cfg.tied:
-            self.get_submodule(head).weight = self.get_submodule(tok).weight
-        if cfg.init == "normal":
-            self.apply(self.init_weights)
-
-    @staticmethod
-    def init_weights(module: nn.Module) -> None:
-        """Initialise one module's own parameters (also zero3's ``param_init_fn``)."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-        if isinstance(module, nn.LayerNorm):
-            module.reset_parameters()
+        add_gpt_layers(self, cfg)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        tok, pos, head = (self.get_submodule(name) for name in self._names)
-        x = tok(idx) + pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits: torch.Tensor = head(self.ln_f(x))
-        if targets is None:
-            return logits
-        logits = logits.float()  # the loss in fp32 for bf16 models
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return gpt_forward(self, idx, targets)
 
 
 @torch.no_grad()

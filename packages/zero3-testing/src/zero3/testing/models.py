@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _train.model import GPT, Block, GPTConfig
+from _train.model import Block, GPTConfig, add_gpt_layers, gpt_forward
 from torch import nn
 
 __all__ = [
@@ -33,19 +33,25 @@ __all__ = [
 ]
 
 
-class TinyGPT(GPT):
+class TinyGPT(nn.Module):
     """GPT with tied input/output embeddings (one ``nn.Parameter`` in two modules).
 
-    The job's and the benchmarks' GPT (``_train.model``, from zero3-tools) at a tiny size,
-    in GPT-2's layout: ``wte``, ``wpe``, ``blocks.N.attn`` and ``blocks.N.mlp`` modules,
-    ``lm_head``, each layer initialised by its own ``reset_parameters``.
+    The job's and the benchmarks' GPT (``_train.model``, from zero3-tools: its layers and
+    its forward) at a tiny size, in GPT-2's layout: ``wte``, ``wpe``, ``blocks.N.attn``
+    and ``blocks.N.mlp`` modules, ``lm_head``, each layer initialised by its own
+    ``reset_parameters``. A class of its own, directly under ``nn.Module``, as user
+    models are.
     """
 
     def __init__(
         self, vocab: int = 61, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16
     ) -> None:
+        super().__init__()
         cfg = GPTConfig(vocab, layers, dim, heads, seq, tied=True, layout="gpt2", init="torch")
-        super().__init__(cfg)
+        add_gpt_layers(self, cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return gpt_forward(self, idx)
 
 
 class AlbertLike(nn.Module):
