@@ -32,7 +32,7 @@ def settled(want_any):
     return gloo_threads()
 
 def world():
-    fd, path = tempfile.mkstemp()
+    fd, path = tempfile.mkstemp(dir=sys.argv[1])  # the test's directory: a kept group's file stays
     os.close(fd)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     dist.all_reduce(torch.ones(4), async_op=True).wait()
@@ -55,12 +55,16 @@ os._exit(0)  # the group kept alive above must not meet finalization
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
-def test_fact_gloo_teardown():
+def test_fact_gloo_teardown(tmp_path):
     """fact-gloo-teardown: a live gloo group keeps worker threads; destroying it and
     dropping the last reference ends them, but ``torch.distributed.nn`` imported after
     ``init_process_group`` keeps a reference to the default group for good."""
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", _PROBE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout)
