@@ -20,13 +20,8 @@ import torch
 from torch import nn
 
 from zero3.comm import GlooBackend
-from zero3.core import (
-    CheckpointError,
-    CheckpointStorageWriter,
-    Zero3Config,
-    full_state_dict,
-    sharded_state_dict,
-)
+from zero3.core import CheckpointError, Zero3Config, sharded_state_dict
+from zero3.core.engine import CheckpointStorageWriter, full_state_dict
 from zero3.hooks import shard_module, stats
 from zero3.optim import (
     PartitionedOptimizer,
@@ -283,7 +278,7 @@ def _to_torch_save(path: str, out: str) -> None:
 
 
 def test_dcp_tools_open_it_and_replicated_entries_are_saved_once(worker_pool, tmp_path):
-    from zero3.core import CheckpointReader
+    from zero3.core.engine import CheckpointReader
 
     path = str(tmp_path / "ckpt")
     saved = worker_pool(2).run(_save_with_buffers, path, timeout=120)[0]
@@ -464,7 +459,7 @@ def test_extra_round_trip_and_refusals(worker_pool, tmp_path):
 
 
 def _save_then_die(path: str, pause: str) -> dict[str, Any]:
-    from zero3.core._checkpoint_format import TEST_PAUSE_ENV
+    from zero3.core.files._format import TEST_PAUSE_ENV
 
     comm, model, opt, make = _setup()
     _steps(comm, model, opt, make, 0, 2)

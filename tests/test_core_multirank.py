@@ -11,36 +11,39 @@ import torch
 from torch import nn
 
 from zero3.comm import GlooBackend
-from zero3.core import (
-    FingerprintMismatchError,
-    ParamStatus,
-    ShardedModelState,
-    TraceState,
-    Zero3Config,
-    gathered_parameters,
-    local_shard,
-)
+from zero3.core import FingerprintMismatchError, Zero3Config, gathered_parameters, local_shard
+from zero3.core.engine import Moment, ParamStatus, Phase, ShardedModelState, TraceState
 
 pytestmark = pytest.mark.multirank
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def _begin(state: ShardedModelState, training: bool = True) -> None:
+    """Open a step by hand, as the model's training step does."""
+    state.stats.rotate()
+    state.coordinator.begin_pass(training)
+
+
+def _at(forward: bool) -> Moment:
+    return Moment(1, Phase.TRAIN_FORWARD if forward else Phase.BACKWARD)
+
+
 def _walk(state: ShardedModelState, modules, x=None):
     """One step: forward fetch/compute/release per module, then backward order."""
     c = state.coordinator
-    c.begin_step(training=True)
+    _begin(state, training=True)
     outs = []
     for m in modules:
-        c.fetch_sub_module(m, forward=True)
+        c.fetch_sub_module(m, _at(True))
         if x is not None:
             x = m(x)
             outs.append(x)
         c.release_sub_module(m)
     for m in reversed(modules):
-        c.fetch_sub_module(m, forward=False)
+        c.fetch_sub_module(m, _at(False))
         c.release_sub_module(m)
-    c.end_step(state.params)
+    c.end_pass(state.params)
     return x
 
 
@@ -195,10 +198,10 @@ def _different_modules_per_rank(headers: bool) -> str:
     model = Twins()
     state = ShardedModelState.create(model, Zero3Config(param_persistence_threshold=0), comm)
     c = state.coordinator
-    c.begin_step(training=True)
+    _begin(state, training=True)
     chosen = model.left if comm.rank % 2 == 0 else model.right
     with pytest.raises(FingerprintMismatchError) as info:
-        c.fetch_sub_module(chosen, forward=True)
+        c.fetch_sub_module(chosen, _at(True))
         c.verify_gathers()  # without headers: the batched in-band check
     return str(info.value)
 
@@ -233,11 +236,11 @@ def _memory_drops() -> dict[str, object]:
     )
     c = state.coordinator
     x = torch.randn(3, 64, requires_grad=True)
-    c.begin_step(training=True)
+    _begin(state, training=True)
     h = x
     during = []
     for m in model:
-        c.fetch_sub_module(m, forward=True)
+        c.fetch_sub_module(m, _at(True))
         h = m(h)
         c.release_sub_module(m)
         # Autograd saved the Linear weights for backward; they share the parameters'
@@ -245,12 +248,12 @@ def _memory_drops() -> dict[str, object]:
         during.append(sum(p.untyped_storage().nbytes() for p in model.parameters()))
     shard_bytes = sum(sp.shard.untyped_storage().nbytes() for sp in state.params)
     for m in reversed(model):  # backward gathers again before autograd reads them
-        c.fetch_sub_module(m, forward=False)
+        c.fetch_sub_module(m, _at(False))
     h.sum().backward()
     grad_ok = x.grad is not None and bool(torch.isfinite(x.grad).all())
     for m in model:
         c.release_sub_module(m)
-    c.end_step(state.params)
+    c.end_pass(state.params)
     after = sum(p.untyped_storage().nbytes() for p in model.parameters())
     return {
         "during": during,

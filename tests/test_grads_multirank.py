@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from zero3.comm import GlooBackend
-from zero3.core import Zero3Config, full_grad, local_grad, sharded_state
+from zero3.core import Zero3Config, full_grad, local_grad
+from zero3.core.engine import sharded_state
 from zero3.hooks import shard_module, stats
 from zero3.testing import CaseError
 from zero3.testing.models import MoEBlock, Routed, build, loss_of, routed_input

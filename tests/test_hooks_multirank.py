@@ -10,6 +10,7 @@ from torch import nn
 
 from zero3.comm import GlooBackend
 from zero3.core import FingerprintMismatchError, Zero3Config, register_external_parameter
+from zero3.core.engine import sharded_state
 from zero3.hooks import (
     full_state_dict,
     load_full_state_dict,
@@ -104,9 +105,7 @@ def _eval_between_training() -> dict[str, object]:
         model.zero_grad()
         reference.zero_grad()
 
-    from zero3.hooks._shard import _hooks_of
-
-    hooks = _hooks_of(model)
+    step_owner = sharded_state(model).step
     for step in range(2):
         train_step(step)
         for mode in ("no_grad", "inference_mode", "eval"):
@@ -125,7 +124,7 @@ def _eval_between_training() -> dict[str, object]:
                 model.train()
                 reference.train()
             diffs.append((out - ref).abs().max().item())
-            hooks_counts.append(sum(hooks.pre_counts.values()))
+            hooks_counts.append(step_owner.pending_backwards)
             assert _non_persistent_bytes(model) == 0, mode  # released after the forward
     train_step(5)  # training after inference-mode forwards: no inference tensor reused
     return {

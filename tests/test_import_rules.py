@@ -138,9 +138,9 @@ def test_every_import_is_a_declared_dependency(package: Path) -> None:
 
 def test_the_rules_catch_what_they_are_for(tmp_path: Path) -> None:
     """The checks above are not vacuous: a planted violation of each is found."""
-    assert _private_reach("zero3.core._state", [], "hooks") == "zero3.core._state"
+    assert _private_reach("zero3.core.model._state", [], "hooks") == "zero3.core.model._state"
     assert _private_reach("zero3.core", ["_matches"], "hooks") == "zero3.core._matches"
-    assert _private_reach("zero3.core._state", [], "core") is None
+    assert _private_reach("zero3.core.model._state", [], "core") is None
     assert _private_reach("zero3.core", ["Zero3Config"], None) is None
     comm = next(p for p in PACKAGES if p.name == "zero3-comm")
     assert "transformers" not in _declared(comm)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from zero3.comm import CommError, GlooBackend
-from zero3.core import FingerprintMismatchError, Zero3Config, sharded_state
+from zero3.core import FingerprintMismatchError, Zero3Config
+from zero3.core.engine import sharded_state
 from zero3.hooks import full_state_dict, shard_module, stats
 from zero3.optim import PartitionedOptimizer
 from zero3.testing import RankExited

@@ -13,7 +13,8 @@ import copy
 import pytest
 
 from zero3.comm import GlooBackend
-from zero3.core import Zero3Config, full_grad, sharded_state
+from zero3.core import Zero3Config, full_grad
+from zero3.core.engine import sharded_state
 from zero3.hooks import shard_module, stats
 from zero3.testing.models import build, loss_of
 

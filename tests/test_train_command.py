@@ -159,7 +159,7 @@ def _final_loss(result: subprocess.CompletedProcess[str]) -> float:
 def test_save_and_resume_continue_the_loss_curve(tmp_path):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from zero3.core import CheckpointReader
+    from zero3.core.engine import CheckpointReader
 
     base = [sys.executable, str(TRAIN), *TINY, "--samples", "0", "--steps", "6"]
     straight = _run([*base, "--nproc", "2", "--save", "ck-{step}", "--save-every", "3"], tmp_path)

@@ -28,14 +28,8 @@ from _train.model import GPT, GPTConfig, sample
 from _train.settings import Settings, lr_lambda, parser, settings_from
 
 from zero3.comm import CommBackend, ReduceOp, create_backend, launched_by_mpi, launched_by_torch
-from zero3.core import (
-    CheckpointError,
-    CheckpointReader,
-    Tracer,
-    estimate_model_states,
-    gathered_parameters,
-    sharded_state,
-)
+from zero3.core import CheckpointError, estimate_model_states, gathered_parameters
+from zero3.core.engine import CheckpointReader, Tracer, sharded_state
 from zero3.hooks import empty_init, shard_module, stats
 from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zero3.comm import BackendUnavailableError, HCCLBackend, NCCLBackend
-from zero3.comm._registry import local_device_index, local_rank
+from zero3.comm._launch import local_device_index, local_rank
 
 _VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "RANK")
 

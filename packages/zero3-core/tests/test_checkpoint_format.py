@@ -14,19 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero3.core import (
-    CheckpointLoadPlanner,
     CheckpointNotFoundError,
-    CheckpointReader,
-    CheckpointStorageReader,
-    CheckpointStorageWriter,
     CheckpointVersionError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    flat_boxes,
+)
+from zero3.core.engine import (
+    CheckpointLoadPlanner,
+    CheckpointReader,
+    CheckpointStorageReader,
+    CheckpointStorageWriter,
     quiet_dcp_warnings,
 )
-from zero3.core._checkpoint_reader import nest
-from zero3.core._sharded_state_dict import _rank_boxes
+from zero3.core.files._boxes import flat_boxes
+from zero3.core.files._reader import nest
+from zero3.core.state_dict._sharded import _rank_boxes
 
 
 def _read_boxes(tensor: torch.Tensor, boxes: list) -> list[int]:

@@ -1,7 +1,7 @@
 """Single-process tests of the coordinator against a recording in-memory backend.
 
 Tests drive fetch_sub_module / release_sub_module by hand: modules in forward order,
-then in reverse order for "backward", then end_step (the hooks package does this from
+then in reverse order for "backward", then end_pass (the training step does this from
 module hooks).
 """
 
@@ -15,12 +15,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zero3.core import ParamStatus, ShardedModelState, TraceState, Zero3Config
-from zero3.core._coordinator import MAX_INFLIGHT_PREFETCHES
+from zero3.core import Zero3Config
+from zero3.core.engine import Moment, ParamStatus, Phase, ShardedModelState, TraceState
+from zero3.core.params._coordinator import MAX_INFLIGHT_PREFETCHES
 from zero3.testing.recording import RecordingBackend
 
 # Several tests stop a step part-way on purpose; the trace then reports a change.
 pytestmark = pytest.mark.filterwarnings("ignore:zero3. the module order changed")
+
+
+def _begin(state: ShardedModelState, training: bool = True) -> None:
+    """Open a step by hand, as the model's training step does."""
+    state.stats.rotate()
+    state.coordinator.begin_pass(training)
+
+
+def _at(forward: bool) -> Moment:
+    return Moment(1, Phase.TRAIN_FORWARD if forward else Phase.BACKWARD)
 
 
 def _chain(sizes: list[int]) -> nn.Sequential:
@@ -38,14 +49,14 @@ def _state(model: nn.Module, world: int = 4, deferred: bool = False, **cfg) -> S
 
 def _step(state: ShardedModelState, order: list[nn.Module], check=None) -> None:
     c = state.coordinator
-    c.begin_step(training=True)
+    _begin(state, training=True)
     for phase, seq in (("fwd", order), ("bwd", order[::-1])):
         for m in seq:
-            c.fetch_sub_module(m, forward=phase == "fwd")
+            c.fetch_sub_module(m, _at(phase == "fwd"))
             if check:
                 check(m)
             c.release_sub_module(m)
-    c.end_step(state.params)
+    c.end_pass(state.params)
 
 
 def test_record_then_complete_then_prefetch():
@@ -113,13 +124,13 @@ def test_release_keeps_tied_weight_within_reuse_distance():
         c = state.coordinator
         order = [model.a, model.mid, model.b]
         _step(state, order)  # record
-        c.begin_step(training=True)
-        c.fetch_sub_module(model.a, forward=True)
+        _begin(state, training=True)
+        c.fetch_sub_module(model.a, _at(True))
         c.release_sub_module(model.a)
         tied = next(sp for sp in state.params if sp.param is model.a.weight)
         assert (tied.status is ParamStatus.AVAILABLE) is kept, distance
         assert tied.owners == ["a", "b"]
-        c.end_step(state.params)
+        c.end_pass(state.params)
         assert tied.status is ParamStatus.NOT_AVAILABLE  # nothing whole after the step
 
 
@@ -128,17 +139,17 @@ def test_default_window_keeps_a_small_model_whole_into_backward():
     state = _state(model, max_reuse_distance=1_000_000_000)
     _step(state, list(model))
     c = state.coordinator
-    c.begin_step(training=True)
+    _begin(state, training=True)
     for m in model:
-        c.fetch_sub_module(m, forward=True)
+        c.fetch_sub_module(m, _at(True))
         c.release_sub_module(m)
     assert all(sp.status is ParamStatus.AVAILABLE for sp in state.params)
     before = state.stats.current.gathers
     for m in reversed(model):
-        c.fetch_sub_module(m, forward=False)
+        c.fetch_sub_module(m, _at(False))
         c.release_sub_module(m)
     assert state.stats.current.backward_gathers == 0 and state.stats.current.gathers == before
-    c.end_step(state.params)
+    c.end_pass(state.params)
 
 
 def test_prefetch_respects_max_live_parameters():
@@ -147,12 +158,12 @@ def test_prefetch_respects_max_live_parameters():
     c = state.coordinator
     _step(state, list(model))
     peaks = []
-    c.begin_step(training=True)
+    _begin(state, training=True)
     for m in model:
-        c.fetch_sub_module(m, forward=True)
+        c.fetch_sub_module(m, _at(True))
         peaks.append(c.live_numel)
         c.release_sub_module(m)
-    c.end_step(state.params)
+    c.end_pass(state.params)
     assert max(peaks) <= 120
     assert max(peaks) == 100  # the own module (50) + one prefetched (50); a third would pass 120
 
@@ -162,13 +173,13 @@ def test_only_the_running_module_may_exceed_max_live():
     state = _state(model, max_live_parameters=100)
     c = state.coordinator
     _step(state, list(model))
-    c.begin_step(training=True)
-    c.fetch_sub_module(model[0], forward=True)
+    _begin(state, training=True)
+    c.fetch_sub_module(model[0], _at(True))
     assert c.live_numel == 300  # the module itself, over the bound: allowed
     c.release_sub_module(model[0])
-    c.fetch_sub_module(model[1], forward=True)
+    c.fetch_sub_module(model[1], _at(True))
     assert c.live_numel <= 100  # prefetch stayed within the bound
-    c.end_step(state.params)
+    c.end_pass(state.params)
 
 
 def test_at_most_two_prefetches_in_flight():
@@ -183,15 +194,15 @@ def test_at_most_two_prefetches_in_flight():
     state = _state(model, deferred=True, prefetch_bucket_size=10)
     c = state.coordinator
     _step(state, list(model))
-    c.begin_step(training=True)
+    _begin(state, training=True)
     counts = []
     for m in list(model)[:5]:
-        c.fetch_sub_module(m, forward=True)
+        c.fetch_sub_module(m, _at(True))
         counts.append(sum(1 for sp in state.params if sp.status is ParamStatus.INFLIGHT))
         c.release_sub_module(m)
     assert counts == [1, 2, 2, 2, 2]  # one layer per prefetch; never a third in flight
     assert MAX_INFLIGHT_PREFETCHES == 2
-    c.end_step(state.params)
+    c.end_pass(state.params)
 
 
 def test_overlap_off_still_prefetches_but_blocks():
@@ -226,11 +237,11 @@ def test_inference_steps_keep_their_own_trace():
     c = state.coordinator
     _step(state, list(model))
     train = c.traces["train"]
-    c.begin_step(training=False)
+    _begin(state, training=False)
     for m in model:
-        c.fetch_sub_module(m, forward=True)
+        c.fetch_sub_module(m, _at(True))
         c.release_sub_module(m)
-    c.end_step(state.params)
+    c.end_pass(state.params)
     assert train.state is TraceState.COMPLETE and len(train.modules) == 6
     assert c.traces["infer"].state is TraceState.COMPLETE and len(c.traces["infer"].modules) == 3
 
@@ -249,15 +260,15 @@ def test_prefetch_never_raises_live_numel_above_the_bound(sizes, order_seed, max
     state = _state(model, world=3, max_live_parameters=max_live, prefetch_bucket_size=bucket)
     c = state.coordinator
     for _ in range(3):
-        c.begin_step(training=True)
+        _begin(state, training=True)
         for phase, seq in ((True, layers), (False, layers[::-1])):
             for m in seq:
                 own = sum(p.numel() for p in m.parameters())
                 before = c.live_numel
-                c.fetch_sub_module(m, forward=phase)
+                c.fetch_sub_module(m, _at(phase))
                 # Anything above the bound must be the running module's own gather.
                 assert c.live_numel <= max(max_live, before + own)
                 assert c.live_numel <= max(max_live, own) or before + own >= c.live_numel
                 c.release_sub_module(m)
-        c.end_step(state.params)
+        c.end_pass(state.params)
         assert c.live_numel == 0

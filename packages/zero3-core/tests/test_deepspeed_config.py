@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zero3.core import ModulePath, Zero3Config
-from zero3.core._deepspeed_keys import known_keys
+from zero3.core.config._deepspeed_keys import known_keys
 
 DATA = Path(__file__).parent / "data"
 # The ZeRO-3 config of transformers' DeepSpeed docs and tests (every "auto" placeholder,

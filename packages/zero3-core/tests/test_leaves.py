@@ -3,7 +3,8 @@
 import pytest
 from torch import nn
 
-from zero3.core import ModulePath, match_leaf_modules
+from zero3.core import ModulePath
+from zero3.core.engine import match_leaf_modules
 
 
 class Expert(nn.Module):

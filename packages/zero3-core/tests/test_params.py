@@ -6,13 +6,24 @@ import pytest
 import torch
 from torch import nn
 
-from zero3.core import ParamStatus, ShardedModelState, Zero3Config
-from zero3.core._params import ReleasedParameter
+from zero3.core import Zero3Config
+from zero3.core.engine import Moment, ParamStatus, Phase, ShardedModelState
+from zero3.core.params._params import ReleasedParameter
 from zero3.testing.recording import RecordingBackend
 
 
 class Scaled(nn.Parameter):
     """A user's own Parameter subclass: it must come back as itself."""
+
+
+def _begin(state: ShardedModelState, training: bool = True) -> None:
+    """Open a step by hand, as the model's training step does."""
+    state.stats.rotate()
+    state.coordinator.begin_pass(training)
+
+
+def _at(forward: bool) -> Moment:
+    return Moment(1, Phase.TRAIN_FORWARD if forward else Phase.BACKWARD)
 
 
 def _state(model: nn.Module) -> ShardedModelState:
@@ -32,13 +43,13 @@ def test_set_status_dresses_released_parameters_and_undresses_gathered_ones():
         model.weight.sum()
 
     c = state.coordinator
-    c.begin_step(training=True)
-    c.fetch_sub_module(model, forward=True)
+    _begin(state, training=True)
+    c.fetch_sub_module(model, _at(True))
     assert weight.status is ParamStatus.AVAILABLE
     assert type(model.weight) is Scaled  # the user's class, not a released one
     assert torch.isfinite(model.weight.sum())
     c.release_sub_module(model)
-    c.end_step(state.params)
+    c.end_pass(state.params)
     assert type(model.weight).__name__ == "ReleasedScaled"
 
     weight.set_status(ParamStatus.INFLIGHT)  # not whole either: stays dressed

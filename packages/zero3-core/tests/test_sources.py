@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zero3.core import SafetensorsSource, WeightSource, open_weight_source
+from zero3.core import SafetensorsSource, WeightSource
+from zero3.core.engine import open_weight_source
 
 
 def _tensors():

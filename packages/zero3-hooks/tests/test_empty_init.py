@@ -7,7 +7,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zero3.comm import create_backend
-from zero3.core import SafetensorsSource, Zero3Config, local_shard, sharded_state
+from zero3.core import SafetensorsSource, Zero3Config, local_shard
+from zero3.core.engine import sharded_state
 from zero3.hooks import empty_init, shard_module
 from zero3.testing.recording import RecordingBackend
 

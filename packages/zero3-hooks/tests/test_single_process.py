@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from zero3.comm import create_backend
-from zero3.core import Zero3Config, local_grad, sharded_state
+from zero3.core import Zero3Config, local_grad
+from zero3.core.engine import sharded_state
 from zero3.hooks import ShardedModule, set_leaf_modules, shard_module, stats, unshard_module
 from zero3.testing.recording import RecordingBackend
 

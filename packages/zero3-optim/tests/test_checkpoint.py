@@ -17,9 +17,9 @@ from zero3.core import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
-    CheckpointReader,
     Zero3Config,
 )
+from zero3.core.engine import CheckpointReader
 from zero3.hooks import full_state_dict, shard_module
 from zero3.optim import (
     PartitionedOptimizer,

@@ -99,7 +99,8 @@ def _zero3(
     """zero3; the model is built under ``empty_init`` (never whole on a rank) unless
     ``eager_build``: then every rank builds it whole first, as before construct-time
     sharding. Both give the same weights (``reset_parameters`` in construction order)."""
-    from zero3.core import Zero3Config, sharded_state
+    from zero3.core import Zero3Config
+    from zero3.core.engine import sharded_state
     from zero3.hooks import empty_init, memory_stats, shard_module, stats
     from zero3.optim import PartitionedOptimizer
 

@@ -43,14 +43,18 @@ class GPTShape(Protocol):
     def seq(self) -> int: ...
 
 
-def gpt(w: GPTShape) -> GPT:
-    """The benchmark GPT of shape ``w`` (``_train.model``'s ``"flat"`` layout: untied
-    head, each layer's own initialisation; 33.7M parameters at the default size).
-    ``model(idx, targets)`` returns the loss."""
-    cfg = GPTConfig(
+def gpt_config(w: GPTShape) -> GPTConfig:
+    """The benchmark GPT's configuration for shape ``w``: ``_train.model``'s ``"flat"``
+    layout, untied head, each layer's own initialisation (33.7M parameters at the default
+    size)."""
+    return GPTConfig(
         w.vocab, w.layers, w.d_model, w.heads, w.seq, tied=False, layout="flat", init="torch"
     )
-    return GPT(cfg)
+
+
+def gpt(w: GPTShape) -> GPT:
+    """The benchmark GPT of shape ``w``; ``model(idx, targets)`` returns the loss."""
+    return GPT(gpt_config(w))
 
 
 def build(w: Workload) -> GPT:

@@ -169,14 +169,20 @@ def add_gpt_layers(model: nn.Module, cfg: GPTConfig) -> None:
 
 
 def gpt_forward(
-    model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None
+    model: nn.Module,
+    idx: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    last_position: bool = False,
 ) -> torch.Tensor:
     """The forward of a model built by :func:`add_gpt_layers`: logits, or with
-    ``targets`` the cross-entropy loss (in fp32, inside the model's forward)."""
+    ``targets`` the cross-entropy loss (in fp32, inside the model's forward);
+    ``last_position``: the last position's logits only, ``(batch, vocab)`` (decoding)."""
     tok, pos, head = (model.get_submodule(name) for name in LAYOUTS[model.cfg.layout][0])
     x = tok(idx) + pos(torch.arange(idx.shape[1], device=idx.device))
     for block in model.blocks:
         x = block(x)
+    if last_position:
+        return head(model.ln_f(x[:, -1:]))[:, -1]  # type: ignore[no-any-return]
     logits: torch.Tensor = head(model.ln_f(x))
     if targets is None:
         return logits

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from zero3.comm import CommBackend
-from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes, sharded_state
+from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes
+from zero3.core.engine import sharded_state
 from zero3.optim import PartitionedOptimizer
 
 METRICS = [

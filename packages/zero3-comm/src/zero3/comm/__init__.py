@@ -17,18 +17,20 @@ the ``zero3.comm`` entry-point group). See :class:`CommBackend` for the interfac
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
 from zero3.comm._cupy import CupyNCCLBackend
 from zero3.comm._hccl import HCCLBackend
-from zero3.comm._launch import launched_by_mpi, launched_by_torch
+from zero3.comm._launch import (
+    default_device_type,
+    launched_by_mpi,
+    launched_by_torch,
+    local_device_index,
+    local_rank,
+)
 from zero3.comm._mpi import MPIBackend
 from zero3.comm._nccl import NCCLBackend
+from zero3.comm._plugins import BackendRegistry, hookimpl
 from zero3.comm._registry import (
-    BackendRegistry,
     available_backends,
     backend_class,
     create_backend,
-    default_device_type,
-    hookimpl,
-    local_device_index,
-    local_rank,
     registered_backends,
 )
 from zero3.comm._stream import Event, HostStream, Stream, TorchDeviceStream

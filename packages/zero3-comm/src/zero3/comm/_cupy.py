@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zero3.comm._backend import DEFAULT_TIMEOUT_S, CommBackend
-from zero3.comm._registry import local_device_index
+from zero3.comm._launch import local_device_index
 from zero3.comm._stream import Event, HostStream, Stream, TorchDeviceStream
 from zero3.comm._types import (
     FLOAT_DTYPES,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero3.comm._registry import local_device_index
+from zero3.comm._launch import local_device_index
 from zero3.comm._torch_dist import TorchDistBackend
 from zero3.comm._types import BackendUnavailableError, Capabilities
 

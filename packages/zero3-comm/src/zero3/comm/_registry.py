@@ -16,105 +16,17 @@ import warnings
 from typing import Any
 
 import pluggy
-import torch
 import torch.distributed as dist
 
+from zero3.comm import _builtin
 from zero3.comm._backend import CommBackend
-from zero3.comm._launch import launched_by_mpi
-from zero3.comm._types import BackendUnavailableError, UnknownBackendError
+from zero3.comm._launch import default_device_type, launched_by_mpi
+from zero3.comm._plugins import ENTRY_POINT_GROUP, PROJECT, BackendRegistry, Specs
+from zero3.comm._types import BackendUnavailableError
 
-__all__ = [
-    "BackendRegistry",
-    "available_backends",
-    "create_backend",
-    "default_device_type",
-    "hookimpl",
-    "hookspec",
-    "local_device_index",
-    "local_rank",
-    "registered_backends",
-]
-
-PROJECT = "zero3.comm"
-ENTRY_POINT_GROUP = "zero3.comm"
-
-#: Marker for plugin hook implementations (``@zero3.comm.hookimpl``).
-hookimpl = pluggy.HookimplMarker(PROJECT)
-hookspec = pluggy.HookspecMarker(PROJECT)
+__all__ = ["available_backends", "backend_class", "create_backend", "registered_backends"]
 
 _DEFAULT_BY_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
-#: Where launchers put a process's rank *on its node*, most specific first: torchrun (and
-#: zero3's own launchers), Open MPI, MPICH's hydra, Slurm's srun.
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-
-
-class BackendRegistry:
-    """Name → backend class table filled by ``zero3_comm_register_backends`` hooks."""
-
-    def __init__(self) -> None:
-        self._classes: dict[str, type[CommBackend]] = {}
-        #: Plugins (entry-point name -> error) that failed to load.
-        self.broken: dict[str, str] = {}
-
-    def register(
-        self, name: str, backend_cls: type[CommBackend], *, override: bool = False
-    ) -> None:
-        """Register ``backend_cls`` under ``name``.
-
-        Args:
-            name: The name users pass to :func:`create_backend`.
-            backend_cls: A :class:`~zero3.comm.CommBackend` subclass.
-            override: Replace an existing registration of the same name. Without it a
-                duplicate name is an error, so two plugins never silently shadow each other.
-
-        Raises:
-            TypeError: ``backend_cls`` is not a CommBackend subclass.
-            ValueError: ``name`` is already registered and ``override`` is False.
-        """
-        if not (isinstance(backend_cls, type) and issubclass(backend_cls, CommBackend)):
-            raise TypeError(
-                f"backend {name!r}: {backend_cls!r} is not a subclass of zero3.comm.CommBackend"
-            )
-        if not name or not isinstance(name, str):
-            raise ValueError(f"backend name must be a non-empty string, got {name!r}")
-        existing = self._classes.get(name)
-        if existing is not None and existing is not backend_cls and not override:
-            raise ValueError(
-                f"comm backend {name!r} is already registered by "
-                f"{existing.__module__}.{existing.__qualname__}; pass override=True to "
-                f"registry.register() to replace it with {backend_cls.__qualname__}"
-            )
-        self._classes[name] = backend_cls
-
-    def get(self, name: str) -> type[CommBackend]:
-        """Return the class registered under ``name``.
-
-        Raises:
-            UnknownBackendError: Nothing is registered under ``name``.
-        """
-        try:
-            return self._classes[name]
-        except KeyError:
-            known = ", ".join(sorted(self._classes)) or "(none)"
-            broken = "".join(f"; plugin {k!r} failed to load: {v}" for k, v in self.broken.items())
-            raise UnknownBackendError(
-                f"unknown comm backend {name!r}; registered backends: {known}. "
-                f"Plugins register more through the 'zero3.comm' entry-point group{broken}"
-            ) from None
-
-    def names(self) -> list[str]:
-        """Registered names in registration order."""
-        return list(self._classes)
-
-
-class _Specs:
-    @hookspec
-    def zero3_comm_register_backends(self, registry: BackendRegistry) -> None:
-        """Register backend classes with ``registry.register(name, cls, override=False)``."""
-
-    @hookspec(firstresult=True)
-    def zero3_comm_default_backend(self, device_type: str) -> str | None:
-        """Return the backend name ``"auto"`` should mean on ``device_type``, or None."""
 
 
 class _State:
@@ -126,10 +38,8 @@ class _State:
 def _load() -> tuple[pluggy.PluginManager, BackendRegistry]:
     with _State.lock:
         if _State.manager is None or _State.registry is None:
-            from zero3.comm import _builtin
-
             manager = pluggy.PluginManager(PROJECT)
-            manager.add_hookspecs(_Specs)
+            manager.add_hookspecs(Specs)
             manager.register(_builtin, name="zero3.comm.builtin")
             registry = BackendRegistry()
             registry.broken = _load_plugins(manager)
@@ -177,65 +87,6 @@ def available_backends() -> list[str]:
     """Names of the registered backends that can run on this machine."""
     registry = _load()[1]
     return [name for name in registry.names() if registry.get(name).is_available()]
-
-
-def default_device_type() -> str:
-    """The accelerator this process would use: ``"cuda"``, ``"npu"`` or ``"cpu"``."""
-    if torch.cuda.is_available():
-        return "cuda"
-    npu = getattr(torch, "npu", None)  # present only when torch_npu is loaded
-    if npu is not None and npu.is_available():
-        return "npu"
-    return "cpu"
-
-
-def local_rank() -> tuple[int, str] | None:
-    """This process's rank on its node, and the variable it was read from; None if no
-    launcher said (a single process, or a launcher that sets none of them).
-
-    Note:
-        Device choice and anything kept per node must use this, never the global
-        ``RANK``: on the second node of two with 8 GPUs each, global ranks 8-15 are
-        local ranks 0-7.
-    """
-    for var in _LOCAL_RANK_VARS:
-        value = os.environ.get(var, "").strip()
-        if value.isdigit():
-            return int(value), var
-    return None
-
-
-def local_device_index(device_count: int, backend: str) -> int | None:
-    """The accelerator index this process should use, from its local rank.
-
-    Args:
-        device_count: Devices visible to this process.
-        backend: The backend asking (for the error message).
-
-    Returns:
-        The local rank when it names a visible device; 0 when the process sees a single
-        device (a launcher gave each rank its own, e.g. ``CUDA_VISIBLE_DEVICES`` per rank);
-        None when no launcher set a local rank (the caller keeps the current device).
-
-    Raises:
-        ValueError: The local rank has no device of its own: more ranks were started on
-            this node than it has visible devices (two ranks on one device would fail
-            later inside NCCL/HCCL, or silently share it).
-    """
-    found = local_rank()
-    if found is None:
-        return None
-    rank, var = found
-    if device_count == 1:
-        return 0
-    if 0 <= rank < device_count:
-        return rank
-    raise ValueError(
-        f"zero3.comm {backend}: this process is local rank {rank} ({var}={rank}) but only "
-        f"{device_count} devices are visible on its node; start at most {device_count} "
-        f"ranks per node (torchrun --nproc-per-node {device_count}), or give each rank "
-        "its own device (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES)"
-    )
 
 
 def _auto_name(manager: pluggy.PluginManager, registry: BackendRegistry) -> str:

@@ -8,15 +8,16 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from zero3.core import _params
-from zero3.core._coordinator import GATHERED_PARAMETERS
-from zero3.core._params import ShardedParam
-from zero3.core._state import ShardedModelState, add_pending_external, state_of
+from zero3.core.diag._memory import MemoryStats, peak_rss_bytes, storage_bytes, storages
+from zero3.core.model._state import ShardedModelState, add_pending_external, sharded_state, state_of
+from zero3.core.params import _params
+from zero3.core.params._params import ShardedParam
 
 __all__ = [
     "full_grad",
     "gathered_parameters",
     "local_grad",
+    "memory_stats",
     "register_external_parameter",
     "sharded_param",
 ]
@@ -58,7 +59,7 @@ def gathered_parameters(
         params = [params]
     groups = list(_by_state(params).values())
     for state, sps in groups:
-        state.coordinator.fetch_params(sps, GATHERED_PARAMETERS, forward=True, pin=True)
+        state.pin(sps)
     try:
         yield
         if modifier_rank is not None:
@@ -66,7 +67,7 @@ def gathered_parameters(
                 _broadcast_edits(state, sps, modifier_rank)
     finally:
         for state, sps in groups:
-            state.coordinator.release_params(sps, pin=True)
+            state.unpin(sps)
 
 
 def _broadcast_edits(state: ShardedModelState, sps: list[ShardedParam], src: int) -> None:
@@ -98,7 +99,7 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
         add_pending_external(module, param)
         return
     state = state_of(param)
-    state.coordinator.add_external(state.coordinator.index_of(module), sp)
+    state.add_external(module, sp)
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -127,3 +128,53 @@ def sharded_param(tensor: torch.Tensor) -> ShardedParam | None:
     tensor (zero3 keeps it in a side table; nothing is attached to the tensor).
     """
     return _params.lookup(tensor)
+
+
+def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
+    """What this rank holds of a sharded model's state (and of its optimizer's).
+
+    Args:
+        module: A module returned by ``zero3.hooks.shard_module``.
+        optimizer: An optimizer over its shards whose masters and state to count;
+            default: every ``zero3.optim.PartitionedOptimizer`` stepping the model
+            (none before one is built).
+    """
+    state = sharded_state(module)
+    sps = state.params
+    shards = [sp.shard for sp in sps] + [sp.param for sp in sps if sp.persistent]
+    param_bytes = storage_bytes(shards)
+    grad_bytes = storage_bytes(state.reducer.grad_buffers())
+    optimizers = [optimizer] if optimizer is not None else state.optimizers()
+    masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]  # type: ignore[attr-defined]
+    master_bytes = storage_bytes(masters, skip=storages(shards))
+    stepped = sum(p.numel() for p in masters)
+    values = [v for opt in optimizers for s in opt.state.values() for v in s.values()]  # type: ignore[attr-defined]
+    optimizer_bytes = storage_bytes(v for v in values if isinstance(v, torch.Tensor))
+    psi = sum(sp.numel for sp in sps)
+    trainable = sum(sp.numel for sp in sps if sp.requires_grad)
+    el = max((sp.param.element_size() for sp in sps), default=4)
+    reduce_dtype = state.config.reduce_dtype
+    grad_el = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else el
+    unsharded = psi * el + trainable * grad_el
+    if master_bytes:
+        unsharded += trainable * 4
+    if stepped:
+        unsharded += int(trainable * optimizer_bytes / stepped)
+    gathered = sum(
+        sp.numel * sp.param.element_size()
+        for sp in sps
+        if not sp.persistent and sp.param.untyped_storage().nbytes()
+    )
+    return MemoryStats(
+        world_size=state.comm.world_size,
+        numel=psi,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        master_bytes=master_bytes,
+        optimizer_bytes=optimizer_bytes,
+        unsharded_bytes=unsharded,
+        gathered_bytes=gathered,
+        peak_gathered_bytes=state.stats.peak_live_numel * el,
+        pool_bytes=state.pool.cached_bytes,
+        peak_rss_bytes=peak_rss_bytes(),
+    )

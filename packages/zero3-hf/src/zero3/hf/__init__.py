@@ -19,5 +19,6 @@ Run it under ``torchrun --nproc-per-node N``.
 from zero3.hf._config import Zero3ConfigLike
 from zero3.hf._pretrained import sharded_from_pretrained
 from zero3.hf._trainer import Zero3Trainer
+from zero3.hf._trl import zero3_trainer
 
-__all__ = ["Zero3ConfigLike", "Zero3Trainer", "sharded_from_pretrained"]
+__all__ = ["Zero3ConfigLike", "Zero3Trainer", "sharded_from_pretrained", "zero3_trainer"]

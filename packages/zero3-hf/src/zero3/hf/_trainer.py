@@ -25,7 +25,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 from transformers.training_args import ParallelMode
 
-from zero3.core import Zero3Config, checkpoint_group, raise_on_every_rank, try_sharded_state
+from zero3.core import Zero3Config
+from zero3.core.engine import checkpoint_group, raise_on_every_rank, try_sharded_state
 from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, scheduler_text, zero3_dir
 from zero3.hf._config import (
     Zero3ConfigLike,
@@ -143,7 +144,10 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         self.optimizer_cls_and_kwargs = trainer_kwargs.get("optimizer_cls_and_kwargs", positional)
         if model is not None:
             model = self._zero3_model(model, args)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if trainer_args:
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        else:  # by keyword: subclasses (zero3_trainer(cls)) order their arguments otherwise
+            super().__init__(model=model, args=args, **trainer_kwargs)
         if self.optimizer is not None and not isinstance(self.optimizer, PartitionedOptimizer):
             raise ValueError(
                 "Zero3Trainer: optimizers=(optimizer, scheduler) must hold a "

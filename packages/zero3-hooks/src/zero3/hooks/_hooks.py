@@ -1,25 +1,18 @@
-"""The hooks of one sharded model: the four per module, grad hooks, the epilogue.
+"""The hooks of one sharded model: the four per module and the gradient hooks.
 
-Note (end of backward without a user call):
-    The epilogue (flush gradient buckets, exchange got-gradient flags, release every
-    parameter, freeze the trace) is queued on the autograd engine as a final callback
-    of the graph task that is running when the first hook of a backward fires.
-    Reentrant activation checkpointing runs an inner backward (a nested graph task)
-    whose final callbacks run when *it* ends, mid-way through the outer backward
-    (torch 2.13: a callback queued inside the region runs before the outer backward
-    reaches the region's inputs; docs/facts.rst). So a callback is queued per graph
-    task, and only the last one to run — the outermost task, queued first — runs the
-    epilogue.
+Each hook hands its event to the model's training step
+(:class:`~zero3.core.engine.TrainingStep`), which owns the step's state; the hooks put
+the backward listeners into the graph, refuse what zero3 cannot run (double backward,
+``torch.compile``) and notice parameters a module reads without owning them.
 
-Note (counts):
-    A module's pre-backward count goes up once per forward call whose outputs require
-    grad with grad enabled (never inside ``Function.apply``, which runs its forward
-    under no_grad (docs/facts.rst), and never for eval forwards), and is reset by the
-    epilogue so outputs left out of the loss leak nothing. A module's post-backward
-    release waits until every backward pass that entered it (counted when its
-    pre-backward fires) has reached its inputs: a module run three times gathers and
-    releases three times in backward, and a checkpoint recomputation — whose nodes never
-    run backward — cannot hold a release back.
+Note (backward hooks in the graph):
+    ``register_full_backward_hook`` fires unreliably with several outputs, in-place
+    ops or inputs that need no gradient, so zero3 welds its backward hooks into the
+    graph as identity Functions: one on a module's outputs, whose backward runs before
+    any of the module's own backward ops (pre-backward: gather), and one on its inputs,
+    whose backward runs after all of them (post-backward: release). The outputs are
+    detached aliases of the inputs, not views, so downstream in-place ops behave
+    exactly as they would without zero3.
 
 Note (external parameters):
     Each module's ``_parameters`` dict is replaced by a :class:`ParamAccessDict` that
@@ -27,43 +20,38 @@ Note (external parameters):
     runs (a parent using a child's weight) registers the parameter as external to the
     running module and gathers it at once; from then on it is gathered together with
     that module, in forward and backward. Parameters a module returns in its output
-    ("dangling": a bias a child hands its caller to add) become external to the
-    caller the same way.
-
-    Cost, measured by ``tools/measure_tricks.py`` (torch 2.13, CPU, four runs): the
-    dict adds 0.23-0.62 us to a ``self.weight`` read that costs 0.9-1.7 us with a plain
-    dict, and the benchmark GPT (``tools/_bench/workload.py``) reads 102 parameters per
-    forward+backward: 24-63 us of a ~4 s forward+backward, under 0.002%.
-
-    Alternative considered: notice outside reads only through the released-parameter
-    guard (``zero3.core``'s ``ReleasedParameter``), gathering on first touch instead of
-    raising. A guard sees a read only when the parameter happens to be released at that
-    moment, which depends on the schedule, not on the code. On the first step (the
-    trace records; modules release on exit) ``ParentUsesChildWeight``'s read is seen.
-    A read that first happens on a later step finds its parameter whole and is missed
-    when it was kept by the reuse window (read after its owner ran), prefetched (read
-    before its owner runs) or held by a running parent (a child reads its parent's
-    weight). A missed parameter is not gathered for the reader's backward: for the
-    prefetched case the measured backward raised torch's "setStorage ... out of
-    bounds" (``F.linear``) or killed the process with SIGSEGV (an elementwise use).
-    The dict sees every read, whatever the schedule.
+    ("dangling": a bias a child hands its caller to add) become external to the caller
+    the same way. Why a dict that sees every read, what it costs and the alternative
+    that misses reads: docs/facts.rst, "Tricks on user objects, measured".
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.autograd.variable import Variable
 from torch.utils.hooks import RemovableHandle
 
-from zero3.core import ShardedModelState, ShardedParam, sharded_param
-from zero3.hooks._functions import PostBackward, PreBackward
+from zero3.core.engine import ShardedModelState, ShardedParam, in_backward, sharded_param
 from zero3.hooks._tree import iter_tensors, map_tensors
 
-__all__ = ["ModelHooks", "ParamAccessDict"]
+__all__ = [
+    "BackwardListener",
+    "ListenedIdentity",
+    "ModelHooks",
+    "ParamAccessDict",
+    "ParkedHook",
+    "PostBackward",
+    "PreBackward",
+    "installed",
+]
+
+#: The hooks installed on each sharded root module (``shard_module`` registers them).
+INSTALLED: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
 
 
 _DOUBLE_BACKWARD_REFUSED = (
@@ -81,8 +69,44 @@ _COMPILE_REFUSED = (
 )
 
 
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
+class BackwardListener(Protocol):
+    """What the Functions call back into (the hooks of one sharded model)."""
+
+    def pre_backward(self, module_index: int) -> None:
+        """Gradients reached the module's outputs."""
+
+    def post_backward(self, module_index: int) -> None:
+        """Gradients reached the module's inputs."""
+
+
+class ListenedIdentity(torch.autograd.Function):
+    """Identity on some tensors whose backward tells a listener about a module."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, listener: BackwardListener, module_index: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.listener = listener
+        ctx.module_index = module_index
+        return tuple(t.detach() for t in tensors)
+
+
+class PreBackward(ListenedIdentity):
+    """Identity on a module's outputs; its backward gathers the module's parameters."""
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.listener.pre_backward(ctx.module_index)
+        return (None, None, *grads)
+
+
+class PostBackward(ListenedIdentity):
+    """Identity on a module's inputs; its backward releases the module's parameters."""
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.listener.post_backward(ctx.module_index)
+        return (None, None, *grads)
 
 
 class ParamAccessDict(dict):  # type: ignore[type-arg]
@@ -101,7 +125,7 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
 
     def __getitem__(self, key: str) -> Any:
         value = dict.__getitem__(self, key)
-        if self.hooks.stack and value is not None:
+        if value is not None and self.hooks.step.running() is not None:
             self.hooks.on_param_read(self.module_index, value)
         return value
 
@@ -115,17 +139,53 @@ class ParamAccessDict(dict):  # type: ignore[type-arg]
         dict.__setitem__(self, key, value)
 
 
+class ParkedHook:
+    """A module hook taken out of its module's hook dict, to be put back where it was.
+
+    Note (in place, not registered again):
+        A hook registered again would run after every hook added since, such as
+        transformers' output-capturing hooks (installed on the first forward), which
+        would then capture outputs without zero3's pre-backward hook. The entry goes
+        back under its key, in its old place (``OrderedDict.move_to_end``).
+    """
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+        hooks = handle.hooks_dict_ref()
+        assert hooks is not None
+        self._order = list(hooks)
+        self._fn = hooks.pop(handle.id)
+        self._flags: list[tuple[Any, Any]] = []
+        for ref in handle.extra_dict_ref:
+            extra = ref()
+            if extra is not None and handle.id in extra:
+                self._flags.append((extra, extra.pop(handle.id)))
+
+    def restore(self) -> None:
+        """Put the hook back in its old place."""
+        hooks = self.handle.hooks_dict_ref()
+        if hooks is None:
+            return  # the module is gone
+        hooks[self.handle.id] = self._fn
+        for extra, value in self._flags:
+            extra[self.handle.id] = value
+        before = [key for key in self._order if key in hooks]
+        known = set(before)
+        for key in [*before, *(key for key in hooks if key not in known)]:
+            hooks.move_to_end(key)
+
+
 class ModelHooks:
-    """Installs and runs every hook of one sharded model."""
+    """Installs the hooks of one sharded model and hands their events to its step."""
 
     def __init__(self, state: ShardedModelState) -> None:
         self.state = state
-        self.stack: list[int] = []  # indices of modules whose forward is running
-        self.pre_counts: dict[int, int] = {}
-        self.in_backward_passes: dict[int, int] = {}
-        self._queued_tasks: list[int] = []
+        self.step = state.step
         self._handles: list[RemovableHandle] = []
-        self._access_dicts: list[tuple[nn.Module, ParamAccessDict]] = []
+        self._forward: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        self._access_dicts: dict[int, tuple[nn.Module, ParamAccessDict]] = {}
+        self._parked: list[ParkedHook] = []
+        self._plain: list[int] = []  # modules whose parameter dict is a plain dict for now
         self._owned: dict[int, frozenset[int]] = {}
         self._grad_hooked: set[int] = set()
         self._span_starts: dict[tuple[str, int], list[float]] = {}
@@ -135,20 +195,16 @@ class ModelHooks:
     def install(self) -> None:
         """Register module, parameter and state-dict hooks."""
         for index, _, module in self.state.hooked_modules():
-            self._handles.append(
-                module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, index), with_kwargs=True
-                )
+            pre = module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, index), with_kwargs=True
             )
-            self._handles.append(
-                module.register_forward_hook(
-                    functools.partial(self._post_forward, index), with_kwargs=True
-                )
+            post = module.register_forward_hook(
+                functools.partial(self._post_forward, index), with_kwargs=True
             )
+            self._handles += [pre, post]
+            self._forward[index] = (pre, post)
         for index, (_, module) in enumerate(self.state.modules):
-            access = ParamAccessDict(module._parameters, self, index)
-            object.__setattr__(module, "_parameters", access)
-            self._access_dicts.append((module, access))
+            self._watch_reads(index, module)
         for sp in self.state.params:
             if sp.param.requires_grad:
                 self._hook_grad(sp)
@@ -157,18 +213,54 @@ class ModelHooks:
         if sp.index in self._grad_hooked:
             return
         self._grad_hooked.add(sp.index)
-        self._handles.append(
-            sp.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, sp))
-        )
+        on_grad = functools.partial(self._on_grad, sp)
+        self._handles.append(sp.param.register_post_accumulate_grad_hook(on_grad))
+
+    def _watch_reads(self, index: int, module: nn.Module) -> None:
+        access = ParamAccessDict(module._parameters, self, index)
+        object.__setattr__(module, "_parameters", access)
+        self._access_dicts[index] = (module, access)
 
     def remove(self) -> None:
         """Remove every hook and restore the modules' parameter dicts."""
+        self.resume()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module, access in self._access_dicts:
+        self._forward.clear()
+        for module, access in self._access_dicts.values():
             object.__setattr__(module, "_parameters", dict(access))
         self._access_dicts.clear()
+
+    # -- zero3.hooks.unsharded ------------------------------------------------------------
+
+    def suspend(self, indices: Iterable[int], guard: Callable[..., None] | None) -> None:
+        """Take the forward hooks and the parameter-read dicts of modules ``indices``
+        out, until :meth:`resume` (see :class:`ParkedHook` for why in place). ``guard``
+        becomes the root's first forward pre-hook meanwhile.
+        """
+        for index in sorted(indices):
+            handles = self._forward.get(index)
+            if handles is not None:
+                self._parked += [ParkedHook(handle) for handle in handles]
+            entry = self._access_dicts.get(index)
+            if entry is not None:
+                module, access = entry
+                object.__setattr__(module, "_parameters", dict(access))
+                self._plain.append(index)
+        if guard is not None:
+            root = self.state.modules[0][1]
+            handle = root.register_forward_pre_hook(guard, prepend=True)
+            self._parked.append(_Temporary(handle))
+
+    def resume(self) -> None:
+        """Put back what :meth:`suspend` took out."""
+        for parked in reversed(self._parked):
+            parked.restore()
+        self._parked.clear()
+        for index in self._plain:
+            self._watch_reads(index, self.state.modules[index][1])
+        self._plain.clear()
 
     def add_handle(self, handle: RemovableHandle) -> None:
         """Keep a handle removed together with the hooks (state-dict hooks)."""
@@ -179,34 +271,16 @@ class ModelHooks:
     def _pre_forward(
         self, index: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if index == 0 and self.stack and not _in_backward():
-            self._unwind()  # a previous forward raised: its modules never exited
-        if not self.stack and not _in_backward():
-            self._start_forward()
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_REFUSED)
+        if self.step.running() is None and not in_backward():
+            self._span_starts.clear()  # spans a raising forward or backward left open
         self._span_begin("fwd", index)
-        self.state.fetch(module, forward=not _in_backward())
-        self.stack.append(index)
+        for sp in self.step.enter_forward(index):
+            self._hook_grad(sp)  # unfrozen since the last step (progressive unfreezing)
         if not torch.is_grad_enabled():
             return None
         return self._wrap(PostBackward, index, (args, kwargs))  # type: ignore[no-any-return]
-
-    def _unwind(self) -> None:
-        for stale in reversed(self.stack):
-            self.state.release(self.state.modules[stale][1])
-        self.stack.clear()
-
-    def _start_forward(self) -> None:
-        """The outermost forward begins: open a step unless one awaits its backward.
-
-        A training forward also picks up parameters unfrozen since the last step
-        (progressive unfreezing): their gradients are reduced from now on.
-        """
-        if torch.compiler.is_compiling():
-            raise RuntimeError(_COMPILE_REFUSED)
-        if torch.is_grad_enabled():
-            for sp in self.state.refresh_trainable():
-                self._hook_grad(sp)
-        self.state.begin_forward()
 
     def _post_forward(
         self,
@@ -216,22 +290,15 @@ class ModelHooks:
         kwargs: dict[str, Any],
         output: Any,
     ) -> Any:
-        if not self.stack or self.stack[-1] != index:
+        if self.step.running() != index:
             return None  # the forward raised before our pre-hook ran
-        self._adopt_dangling(index, output)
-        self.state.release(module)
-        self.stack.pop()
+        self._adopt_dangling(output)
+        wants_backward = torch.is_grad_enabled() and any(
+            t.requires_grad for t in iter_tensors(output)
+        )
+        self.step.exit_forward(index, backward_follows=wants_backward)
         self._span_end("fwd", index)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors(output)):
-            self.pre_counts[index] = self.pre_counts.get(index, 0) + 1
-            output = self._wrap(PreBackward, index, output)
-        if not self.stack and not _in_backward():
-            self._end_forward()
-        return output
-
-    def _end_forward(self) -> None:
-        """The outermost forward ended: end the step if no backward will follow."""
-        self.state.end_forward(backward_pending=any(self.pre_counts.values()))
+        return self._wrap(PreBackward, index, output) if wants_backward else output
 
     def _wrap(self, fn: type[torch.autograd.Function], index: int, obj: Any) -> Any:
         tensors = [t for t in iter_tensors(obj) if t.requires_grad]
@@ -241,15 +308,15 @@ class ModelHooks:
         replacement = {id(t): o for t, o in zip(tensors, outs, strict=True)}
         return map_tensors(obj, lambda t: replacement.get(id(t), t))
 
-    def _adopt_dangling(self, index: int, output: Any) -> None:
+    def _adopt_dangling(self, output: Any) -> None:
         """Sharded parameters returned in ``output`` stay whole for the caller."""
         for tensor in iter_tensors(output):
             sp = sharded_param(tensor) if isinstance(tensor, nn.Parameter) else None
             if sp is None or sp.persistent:
                 continue
-            caller = self.stack[-2] if len(self.stack) > 1 else None
+            caller = self.step.caller()
             if caller is None:
-                self.state.hold_for_step(sp)  # the root returned it
+                self.step.hold_for_step(sp)  # the root returned it
             else:
                 self._use_external(caller, sp)
 
@@ -257,8 +324,8 @@ class ModelHooks:
 
     def on_param_read(self, owner_index: int, param: Any) -> None:
         """A parameter was read while some module's forward runs."""
-        running = self.stack[-1]
-        if running == owner_index:
+        running = self.step.running()
+        if running is None or running == owner_index:
             return
         sp = sharded_param(param)
         if sp is None or sp.persistent:
@@ -273,7 +340,7 @@ class ModelHooks:
     def _use_external(self, module_index: int, sp: ShardedParam) -> None:
         self._owned.pop(module_index, None)
         # Held under the running module: its release (which now includes sp) drops it.
-        self.state.use_external(module_index, sp, forward=not _in_backward())
+        self.step.use_external(module_index, sp)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -281,45 +348,18 @@ class ModelHooks:
         """Gradients reached the module's outputs: gather its parameters."""
         if torch.is_grad_enabled():  # backward runs with grad enabled only for create_graph
             raise RuntimeError(_DOUBLE_BACKWARD_REFUSED)
-        self._queue_epilogue()
-        count = self.pre_counts.get(module_index, 0)
-        if count > 0:
-            self.pre_counts[module_index] = count - 1
-        self.in_backward_passes[module_index] = self.in_backward_passes.get(module_index, 0) + 1
         self._span_begin("bwd", module_index)
-        module = self.state.modules[module_index][1]
-        self.state.fetch(module, forward=False)
+        self.step.pre_backward(module_index)
 
     def post_backward(self, module_index: int) -> None:
         """Gradients reached the module's inputs: release once every pass is done."""
-        self._queue_epilogue()
-        remaining = self.in_backward_passes.get(module_index, 0) - 1
-        if remaining > 0:
-            self.in_backward_passes[module_index] = remaining
-            return
-        self.in_backward_passes.pop(module_index, None)
-        self.state.backward_done(module_index)
-        self._span_end("bwd", module_index)
+        if self.step.post_backward(module_index):
+            self._span_end("bwd", module_index)
 
     def _on_grad(self, sp: ShardedParam, param: torch.Tensor) -> None:
-        self._queue_epilogue()
-        grad = param.grad
-        if grad is not None:
-            param.grad = None
-            self.state.on_grad(sp, grad)
+        self.step.on_grad(sp)
 
-    def _queue_epilogue(self) -> None:
-        task = int(torch._C._current_graph_task_id())
-        if task == -1 or task in self._queued_tasks:
-            return
-        self._queued_tasks.append(task)
-        Variable._execution_engine.queue_callback(functools.partial(self._task_done, task))
-
-    def _task_done(self, task: int) -> None:
-        self._queued_tasks.remove(task)
-        if self._queued_tasks:
-            return  # an inner (reentrant checkpoint) backward ended; the outer goes on
-        self.epilogue()
+    # -- trace spans ----------------------------------------------------------------------------
 
     def _span_begin(self, phase: str, index: int) -> None:
         tracer = self.state.tracer
@@ -338,20 +378,20 @@ class ModelHooks:
                 tracer.now_us(),
             )
 
-    def epilogue(self) -> None:
-        """End of backward: reduce what is left, release everything, end the step."""
-        tracer = self.state.tracer
-        start = tracer.now_us() if tracer is not None else 0.0
-        self._epilogue()
-        if tracer is not None:
-            tracer.complete("epilogue", "backward", start, tracer.now_us())
-        self._span_starts.clear()
 
-    def _epilogue(self) -> None:
-        self.state.end_backward()
-        self.pre_counts.clear()
-        self.in_backward_passes.clear()
-        self.stack.clear()
+class _Temporary(ParkedHook):
+    """A hook added for the time of a suspension: removed when it ends."""
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self.handle = handle
+
+    def restore(self) -> None:
+        self.handle.remove()
+
+
+def installed(module: nn.Module) -> ModelHooks | None:
+    """The hooks of a sharded root module, or None."""
+    return INSTALLED.get(module)
 
 
 def install_hooks(state: ShardedModelState) -> ModelHooks:

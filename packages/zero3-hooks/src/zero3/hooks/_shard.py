@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from zero3.comm import CommBackend, create_backend
-from zero3.core import (
+from zero3.core import MemoryStats, StepStats, WeightSource, Zero3Config
+from zero3.core import memory_stats as _core_memory_stats
+from zero3.core.engine import (
     LeafTarget,
-    MemoryStats,
     ShardedModelState,
-    StepStats,
-    WeightSource,
-    Zero3Config,
     mark_leaf,
     match_leaf_modules,
     sharded_state,
     try_sharded_state,
 )
-from zero3.core import memory_stats as _core_memory_stats
-from zero3.hooks._hooks import ModelHooks, install_hooks
+from zero3.hooks._generate import ShardedGeneration, generates
+from zero3.hooks._hooks import INSTALLED, ModelHooks, install_hooks
+from zero3.hooks._module import ShardedModule
 from zero3.hooks._state_dict import install_state_dict_guards
 
 __all__ = [
@@ -37,111 +34,20 @@ __all__ = [
     "unshard_module",
 ]
 
-_HOOKS: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
+_HOOKS = INSTALLED
 _CLASSES: dict[type, type] = {}
-
-
-class ShardedModule:
-    """Mixin zero3 adds to a sharded module's class (FSDP2 swaps classes the same way).
-
-    The sharded module keeps its class name and behaviour; ``isinstance(model,
-    ShardedModule)`` tells it is sharded. The mixin makes ``model.zero_grad()`` end
-    the gradient accumulation window (trainers such as the HF Trainer call the
-    module's ``zero_grad``, not the optimizer's).
-
-    Note (why the class changes):
-        zero3 owns the gradients (``param.grad`` is always None on a sharded model), so
-        the window must end when the user clears gradients. torch has no hook on
-        ``nn.Module.zero_grad``, and setting an already-None ``.grad`` to None changes
-        nothing zero3 could observe. The HF Trainer (transformers 5.24) calls
-        ``model.zero_grad()`` when training starts and after every optimizer step.
-        Without the mixin, the gradients of a backward that is thrown away (a probe, a
-        batch the loop skips) stay in the window and are added to the next one's:
-        ``tools/measure_tricks.py`` runs backward A, ``model.zero_grad()``, backward B,
-        and finds the window's gradient off from B's by 1.27x B's norm with plain
-        ``nn.Module.zero_grad``, and equal to it with the mixin. The alternatives
-        change the user's object too (a ``zero_grad`` instance attribute shadowing the
-        method) or rely on every training loop calling the optimizer's ``zero_grad``.
-        FSDP2 makes the same choice: ``fully_shard`` swaps the module's class for one
-        mixing in ``FSDPModule``.
-    """
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients and end zero3's gradient accumulation window."""
-        super().zero_grad(set_to_none)  # type: ignore[misc]
-        state = try_sharded_state(self)  # type: ignore[arg-type]
-        if state is not None:
-            state.end_window()
-
-    def to(self, *args: Any, **kwargs: Any) -> ShardedModule:
-        """``nn.Module.to`` for a sharded module: casts the parameter shards to a
-        floating-point dtype (before an optimizer is built), checks the device, and
-        moves or casts buffers as ``nn.Module.to`` does.
-
-        The shards already live on the device the comm backend serves, so ``.to()`` of
-        that device changes nothing (trainers call it); another device is an error
-        naming both. A cast is collective (every rank casts); after a
-        ``PartitionedOptimizer`` exists the parameters' dtype is fixed (its fp32
-        masters follow it) and a cast is an error saying to cast first. See
-        :meth:`zero3.core.ShardedModelState.convert`.
-        """
-        state = try_sharded_state(self)  # type: ignore[arg-type]
-        if state is None:  # unsharded while this class was still in place
-            return super().to(*args, **kwargs)  # type: ignore[misc, no-any-return]
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if memory_format is not None:
-            raise ValueError(
-                "zero3: .to(memory_format=...) is not supported on a sharded module; set "
-                "the memory format before shard_module"
-            )
-        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-            raise TypeError(
-                f"nn.Module.to only accepts floating point or complex dtypes, but got desired "
-                f"dtype={dtype}"
-            )
-        state.convert(device, dtype)
-        for module in self.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    cast = dtype if dtype is not None and buf.is_floating_point() else None
-                    module._buffers[key] = buf.to(device, cast, non_blocking)
-        return self
-
-    def cpu(self) -> ShardedModule:
-        """``.to("cpu")`` (see :meth:`to`)."""
-        return self.to("cpu")
-
-    def cuda(self, device: int | torch.device | None = None) -> ShardedModule:
-        """``.to("cuda")`` (see :meth:`to`)."""
-        if device is None:
-            return self.to("cuda")
-        return self.to(torch.device("cuda", device) if isinstance(device, int) else device)
-
-    def float(self) -> ShardedModule:
-        """``.to(torch.float32)`` (see :meth:`to`)."""
-        return self.to(torch.float32)
-
-    def half(self) -> ShardedModule:
-        """``.to(torch.float16)`` (see :meth:`to`)."""
-        return self.to(torch.float16)
-
-    def bfloat16(self) -> ShardedModule:
-        """``.to(torch.bfloat16)`` (see :meth:`to`)."""
-        return self.to(torch.bfloat16)
-
-    def double(self) -> ShardedModule:
-        """``.to(torch.float64)`` (see :meth:`to`)."""
-        return self.to(torch.float64)
 
 
 def _sharded_class(cls: type) -> type:
     sharded = _CLASSES.get(cls)
     if sharded is None:
         # Same name and module: code that reads type(model).__name__ (checkpoint
-        # metadata, logging) sees the user's class.
+        # metadata, logging) sees the user's class. A class that generates gets the
+        # generation mixin too (zero3.hooks._generate, Note "why the model class").
+        mixin = ShardedGeneration if generates(cls) else ShardedModule
         sharded = type(
             cls.__name__,
-            (ShardedModule, cls),
+            (mixin, cls),
             {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
         )
         _CLASSES[cls] = sharded
@@ -238,8 +144,13 @@ def unshard_module(module: nn.Module) -> nn.Module:
     """Undo :func:`shard_module`: full parameters restored on every rank, hooks removed.
 
     A collective (it gathers every parameter). Returns the same module.
+
+    Raises:
+        ValueError: ``module`` is not sharded.
+        RuntimeError: Inside a :func:`~zero3.hooks.unsharded` block.
     """
     state = sharded_state(module)
+    _refuse_inside_unsharded(state, "unshard_module")
     hooks = _HOOKS.pop(module)
     state.unshard()
     hooks.remove()
@@ -299,6 +210,8 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
     if not targets:
         raise ValueError("set_leaf_modules needs at least one class or class name")
     state = try_sharded_state(module)
+    if state is not None:
+        _refuse_inside_unsharded(state, "set_leaf_modules")
     matched = match_leaf_modules(module, targets, source="set_leaf_modules")
     for _, sub in matched:
         if state is None:
@@ -310,6 +223,14 @@ def set_leaf_modules(module: nn.Module, *targets: LeafTarget) -> list[str]:
         _HOOKS[module].remove()
         _HOOKS[module] = _install(state)
     return marked
+
+
+def _refuse_inside_unsharded(state: ShardedModelState, what: str) -> None:
+    if state.step.unsharded:
+        raise RuntimeError(
+            f"zero3.hooks.{what} inside a zero3.hooks.unsharded block: the block has taken "
+            "hooks out and will put them back on exit; call it after the block"
+        )
 
 
 def _install(state: ShardedModelState) -> ModelHooks:

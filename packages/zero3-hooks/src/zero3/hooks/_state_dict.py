@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from zero3.core import ParamStatus, ShardedModelState, sharded_param
+from zero3.core.engine import ParamStatus, ShardedModelState, sharded_param
 
 __all__ = ["install_state_dict_guards"]
 

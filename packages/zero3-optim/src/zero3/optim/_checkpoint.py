@@ -1,32 +1,10 @@
 """save_checkpoint / load_checkpoint: sharded, resharding, async and atomic, on DCP.
 
-Note (atomic publication):
-    A save never writes into ``path``. Every rank writes into a hidden sibling
-    directory (``.<name>.zero3-saving-<id>``) through DCP, which writes its
-    ``.metadata`` index last, once every rank's data is on disk. Then rank 0 swaps the
-    finished directory into place with ``renameat2(RENAME_EXCHANGE)`` (Linux): one
-    atomic step after which ``path`` holds the new checkpoint and the sibling the old
-    one, which is then deleted (``os.replace`` cannot replace a non-empty directory). A
-    first save is a plain ``rename``. So a crash or a kill at any moment leaves either
-    the previous checkpoint or the new one at ``path``, never a mix; an interrupted
-    save leaves only its sibling, which has no ``.metadata`` and is refused as
-    incomplete, and the next save deletes it. On a filesystem without
-    ``RENAME_EXCHANGE`` (NFS, for one) zero3 moves the old checkpoint aside and the new
-    one in, two renames with a short window in which ``path`` is missing (logged once;
-    a load then names the moved-aside directory). ``path`` is always a DCP directory,
-    or the link to one the user made (zero3 replaces the link's target). Every rank
-    must see the same filesystem.
-
-Note (async saves):
-    ``dcp.async_save`` copies this rank's state to CPU memory (staging) before it
-    returns, then writes from a background thread while training continues. zero3
-    passes its ``FileSystemWriter`` subclass as the stager (DCP's default stager
-    cannot stage ShardedTensors) and DCP's own gloo group (on the group training uses,
-    the background collectives interleave with training's and hang). Staging holds a
-    second copy of everything this rank saves (its model shards, masters and
-    optimizer state, i.e. its share of the checkpoint) until the write ends: that is
-    the memory an async save costs on top of training. The next save or load waits
-    for the previous async save first.
+Every rank writes into a hidden sibling directory through DCP; rank 0 then swaps it into
+place with one atomic rename exchange (two renames where the filesystem has none), so a
+crash leaves the previous checkpoint or the new one, never a mix. An async save stages a
+CPU copy of this rank's share before it returns and writes from DCP's own gloo group in
+the background. docs/checkpoints.rst, "Atomic publication" and "Async saves".
 """
 
 from __future__ import annotations
@@ -55,12 +33,16 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zero3.core import (
-    CHECKPOINT_FORMAT_VERSION,
-    CHECKPOINT_LAYOUT,
     CheckpointError,
-    CheckpointLoadPlanner,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    sharded_state_dict,
+)
+from zero3.core import load_sharded_state_dict as load_model_state
+from zero3.core.engine import (
+    CHECKPOINT_FORMAT_VERSION,
+    CHECKPOINT_LAYOUT,
+    CheckpointLoadPlanner,
     CheckpointReader,
     CheckpointStorageWriter,
     checkpoint_group,
@@ -68,9 +50,7 @@ from zero3.core import (
     raise_on_every_rank,
     sharded_param,
     sharded_state,
-    sharded_state_dict,
 )
-from zero3.core import load_sharded_state_dict as load_model_state
 from zero3.optim._optim_checkpoint import load_template
 from zero3.optim._optimizer import PartitionedOptimizer
 
@@ -222,7 +202,7 @@ def load_checkpoint(
                     f"no optimizer state in checkpoint {target}: it was saved without "
                     "optimizer=; load it with optimizer=None (weights only)"
                 )
-            template[_L.optim] = load_template(optimizer, reader)
+            template[_L.optim] = load_template(optimizer._parts(), reader)
     except CheckpointError as exc:
         error = exc
     raise_on_every_rank(group, error)
@@ -540,7 +520,7 @@ def _log_failure(future: Future[Path]) -> None:
 @contextlib.contextmanager
 def _failures(what: str, target: Path) -> Any:
     """DCP's ``CheckpointException`` (a ``BaseException`` listing ranks and tracebacks)
-    and torch.distributed errors become one :class:`CheckpointError` on every rank.
+    and torch.distributed errors become one :class:`~zero3.core.CheckpointError` on every rank.
     """
     try:
         yield

@@ -1,17 +1,10 @@
 """zero3-consolidate: a sharded checkpoint to full weights in the transformers layout.
 
-Note (one tensor at a time):
-    The output is what ``save_pretrained`` writes: ``model.safetensors``, or past the
-    size limit ``model-0000k-of-0000n.safetensors`` files plus
-    ``model.safetensors.index.json``, and ``config.json`` when the checkpoint recorded
-    the model's transformers config. Memory stays at one tensor (in its stored and
-    its output dtype) however large the model: each tensor is read from the DCP
-    checkpoint alone (only its own chunks), converted, appended to the file and
-    dropped. The safetensors library's writers take all of a file's tensors in memory
-    at once, so the file is streamed here in the format the library specifies (an
-    8-byte little-endian header length, a JSON header of dtypes, shapes and byte
-    offsets padded to 8 bytes, then the raw bytes in header order), and each finished
-    file is checked by opening it with ``safetensors.safe_open``.
+The output is what ``save_pretrained`` writes (``model.safetensors`` or sharded files with
+their index, ``config.json`` when recorded). Memory stays at one tensor however large the
+model: each tensor is read alone from the DCP checkpoint, converted and streamed into the
+file in the safetensors format (the library's writers hold a whole file in memory), and
+each finished file is checked with ``safetensors.safe_open``.
 """
 
 from __future__ import annotations
@@ -28,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from zero3.core import CHECKPOINT_LAYOUT, CheckpointError, CheckpointReader
+from zero3.core import CheckpointError
+from zero3.core.engine import CHECKPOINT_LAYOUT, CheckpointReader
 
 __all__ = ["consolidate_checkpoint", "main"]
 

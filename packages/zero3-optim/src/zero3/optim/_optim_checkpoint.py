@@ -25,51 +25,80 @@ Note (what is saved, and how it reshards):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from zero3.core import (
+from zero3.core import CheckpointMismatchError
+from zero3.core.engine import (
     CHECKPOINT_LAYOUT,
-    CheckpointMismatchError,
     CheckpointReader,
     ShardedParam,
     local_flat,
     sharded_like,
 )
+from zero3.optim._loss_scale import LossScaler
 
-if TYPE_CHECKING:
-    from zero3.optim._optimizer import PartitionedOptimizer, _SubGroup
-
-__all__ = ["load_sharded_state", "load_template", "sharded_state"]
+__all__ = [
+    "OptimizerParts",
+    "SubGroup",
+    "load_sharded_state",
+    "load_template",
+    "sharded_state",
+]
 
 _L = CHECKPOINT_LAYOUT
 _PLAIN = (bool, int, float, str, type(None))
 
 
-def _members(opt: PartitionedOptimizer) -> Iterator[tuple[_SubGroup, int, ShardedParam]]:
-    for sg in opt._subgroups:
-        for k, sp in enumerate(sg.params):
-            yield sg, k, sp
+class SubGroup(Protocol):
+    """What this module reads of a sub-group of fp32 master shards (the optimizer's)."""
+
+    group: int
+    params: list[ShardedParam]
+    offsets: list[int]
+    master: torch.Tensor | None
+    views: list[torch.Tensor]
+    aliased: list[bool]
 
 
-def _owner(opt: PartitionedOptimizer, sg: _SubGroup, k: int) -> torch.Tensor:
-    """The tensor the wrapped optimizer keys this member's state by."""
+@dataclasses.dataclass(frozen=True)
+class OptimizerParts:
+    """What a OptimizerParts's state dict is made of.
+
+    Attributes:
+        subgroups: The fp32 master shards, in sub-groups.
+        flat: Whether the wrapped optimizer sees one tensor per sub-group.
+        optimizer: The wrapped optimizer.
+        scaler: The fp16 loss scaler.
+    """
+
+    subgroups: Sequence[SubGroup]
+    flat: bool
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+
+
+def _members(opt: OptimizerParts) -> list[tuple[SubGroup, int, ShardedParam]]:
+    return [(sg, k, sp) for sg in opt.subgroups for k, sp in enumerate(sg.params)]
+
+
+def _owner(opt: OptimizerParts, sg: SubGroup, k: int) -> torch.Tensor:
+    """The tensor the wrapped optimizer keys member ``k``'s state by."""
     return sg.master if opt.flat and sg.master is not None else sg.views[k]
 
 
-def _local(opt: PartitionedOptimizer, sg: _SubGroup, k: int, value: torch.Tensor) -> torch.Tensor:
-    """A member's elements of a per-element state tensor of its owner."""
+def _local(opt: OptimizerParts, sg: SubGroup, k: int, value: torch.Tensor) -> torch.Tensor:
+    """Member ``k``'s elements of a per-element state tensor of its owner."""
     if opt.flat and sg.master is not None:
         sp = sg.params[k]
         return value[sg.offsets[k] : sg.offsets[k] + sp.local_numel]
     return value
 
 
-def _kind(
-    opt: PartitionedOptimizer, sp: ShardedParam, owner: torch.Tensor, key: str, value: Any
-) -> str:
+def _kind(opt: OptimizerParts, sp: ShardedParam, owner: torch.Tensor, key: str, value: Any) -> str:
     if isinstance(value, torch.Tensor) and value.shape == owner.shape and value.dim() == 1:
         return "element"
     if (isinstance(value, torch.Tensor) and value.dim() == 0) or isinstance(value, _PLAIN):
@@ -87,7 +116,7 @@ def _kind(
     )
 
 
-def sharded_state(opt: PartitionedOptimizer) -> dict[str, Any]:
+def sharded_state(opt: OptimizerParts) -> dict[str, Any]:
     """See :meth:`PartitionedOptimizer.sharded_state_dict`."""
     masters: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -112,14 +141,14 @@ def sharded_state(opt: PartitionedOptimizer) -> dict[str, Any]:
     }
 
 
-def _group_names(opt: PartitionedOptimizer) -> list[list[str]]:
+def _group_names(opt: OptimizerParts) -> list[list[str]]:
     names: list[list[str]] = [[] for _ in opt.optimizer.param_groups]
     for sg, _, sp in _members(opt):
         names[sg.group].append(sp.name)
     return names
 
 
-def _named_groups(opt: PartitionedOptimizer) -> list[dict[str, Any]]:
+def _named_groups(opt: OptimizerParts) -> list[dict[str, Any]]:
     out = []
     for group, names in zip(opt.optimizer.param_groups, _group_names(opt), strict=True):
         options = {k: v for k, v in group.items() if k != "params"}
@@ -127,7 +156,7 @@ def _named_groups(opt: PartitionedOptimizer) -> list[dict[str, Any]]:
     return out
 
 
-def _check_groups(opt: PartitionedOptimizer, saved: Any) -> None:
+def _check_groups(opt: OptimizerParts, saved: Any) -> None:
     current = _group_names(opt)
     saved_names = [list(g.get("params", [])) for g in saved] if isinstance(saved, list) else None
     if saved_names != current:
@@ -149,7 +178,7 @@ def _check_groups(opt: PartitionedOptimizer, saved: Any) -> None:
         )
 
 
-def load_sharded_state(opt: PartitionedOptimizer, sd: Mapping[str, Any]) -> None:
+def load_sharded_state(opt: OptimizerParts, sd: Mapping[str, Any]) -> None:
     """See :meth:`PartitionedOptimizer.load_sharded_state_dict`."""
     _check_groups(opt, sd.get("param_groups"))
     by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
@@ -165,7 +194,7 @@ def load_sharded_state(opt: PartitionedOptimizer, sd: Mapping[str, Any]) -> None
     owners = [p for group in opt.optimizer.param_groups for p in group["params"]]
     index = {id(p): i for i, p in enumerate(owners)}
     new_state: dict[int, dict[str, Any]] = {}
-    for sg in opt._subgroups:
+    for sg in opt.subgroups:
         flat = opt.flat and sg.master is not None
         for k in [0] if flat else range(len(sg.params)):
             entry = _owner_state(opt, sg, k, sd)
@@ -176,15 +205,11 @@ def load_sharded_state(opt: PartitionedOptimizer, sd: Mapping[str, Any]) -> None
         for saved, mine in zip(sd["param_groups"], inner["param_groups"], strict=True)
     ]
     opt.optimizer.load_state_dict({"state": new_state, "param_groups": groups})
-    opt.param_groups = opt.optimizer.param_groups
-    opt.state = opt.optimizer.state
     if "scaler" in sd:
         opt.scaler.load_state_dict(dict(sd["scaler"]))
-    with torch.no_grad():
-        opt._write_back()
 
 
-def _load_masters(opt: PartitionedOptimizer, masters: Mapping[str, Any]) -> None:
+def _load_masters(opt: OptimizerParts, masters: Mapping[str, Any]) -> None:
     """Masters from the checkpoint; where it has none, from the (loaded) model shards."""
     for sg, k, sp in _members(opt):
         view = sg.views[k]
@@ -197,7 +222,7 @@ def _load_masters(opt: PartitionedOptimizer, masters: Mapping[str, Any]) -> None
 
 
 def _owner_state(
-    opt: PartitionedOptimizer, sg: _SubGroup, k: int, sd: Mapping[str, Any]
+    opt: OptimizerParts, sg: SubGroup, k: int, sd: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The wrapped optimizer's state for one owner tensor, from the named state."""
     state, scalars = sd.get("state", {}), sd.get("scalars", {})
@@ -226,7 +251,7 @@ def _owner_state(
 
 
 def _flat_buffer(
-    sg: _SubGroup, locals_: dict[int, torch.Tensor], dtype: torch.dtype
+    sg: SubGroup, locals_: dict[int, torch.Tensor], dtype: torch.dtype
 ) -> torch.Tensor:
     """The sub-group's flat tensor holding the members' slices; reuses the buffer the
     slices already live in (the load template's) instead of copying.
@@ -252,7 +277,7 @@ def _flat_buffer(
     return flat
 
 
-def load_template(opt: PartitionedOptimizer, reader: CheckpointReader) -> dict[str, Any]:
+def load_template(opt: OptimizerParts, reader: CheckpointReader) -> dict[str, Any]:
     """Destinations for ``dcp.load`` of a checkpoint's optimizer section.
 
     Masters and per-element state of this rank land in place (the masters, the
@@ -293,8 +318,8 @@ def load_template(opt: PartitionedOptimizer, reader: CheckpointReader) -> dict[s
 
 
 def _state_buffer(
-    opt: PartitionedOptimizer,
-    sg: _SubGroup,
+    opt: OptimizerParts,
+    sg: SubGroup,
     k: int,
     key: str,
     dtype: torch.dtype,

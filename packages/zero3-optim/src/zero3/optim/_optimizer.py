@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from zero3.comm import ReduceOp
-from zero3.core import ShardedModelState, ShardedParam, sharded_param, sharded_state
+from zero3.core.engine import ShardedModelState, ShardedParam, sharded_param, sharded_state
 from zero3.optim import _optim_checkpoint
 from zero3.optim._loss_scale import LossScaler
 
-__all__ = ["PartitionedOptimizer"]
+__all__ = ["PartitionedOptimizer", "SubGroup"]
 
 OptimizerSpec = (
     type[torch.optim.Optimizer] | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -38,7 +38,7 @@ OptimizerSpec = (
 
 
 @dataclasses.dataclass(eq=False)
-class _SubGroup:
+class SubGroup:
     """A chunk of one param group's fp32 master buffer."""
 
     group: int
@@ -172,8 +172,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     # -- masters ----------------------------------------------------------------------------
 
-    def _build_masters(self, groups: list[dict[str, Any]], sub_group_size: int) -> list[_SubGroup]:
-        subgroups: list[_SubGroup] = []
+    def _build_masters(self, groups: list[dict[str, Any]], sub_group_size: int) -> list[SubGroup]:
+        subgroups: list[SubGroup] = []
         for g_index, g in enumerate(groups):
             members: list[ShardedParam] = []
             for p in g["params"]:
@@ -197,7 +197,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     size += sp.local_numel
         return subgroups
 
-    def _subgroup(self, group: int, members: list[ShardedParam]) -> _SubGroup:
+    def _subgroup(self, group: int, members: list[ShardedParam]) -> SubGroup:
         offsets, cursor = [], 0
         for sp in members:
             offsets.append(cursor)
@@ -207,17 +207,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             # the fp32 state, nothing to write back (and in a world of one the shard is
             # the parameter itself, so the step updates it in place).
             views = [sp.shard[: sp.local_numel] for sp in members]
-            return _SubGroup(group, members, offsets, None, views, [True] * len(members))
-        device = members[0].shard.device
-        master = torch.empty(cursor, dtype=torch.float32, device=device)
-        views, aliased = [], []
-        for sp, offset in zip(members, offsets, strict=True):
-            region = master[offset : offset + sp.shard_numel]
-            # An fp32 parameter's shard moves into its master region (flat mode needs the
-            # sub-group contiguous): one copy of the fp32 state, nothing to write back.
-            views.append(self._zstate.adopt_master(sp, region))
-            aliased.append(sp.dtype == torch.float32 and not sp.aliases_param)
-        return _SubGroup(group, members, offsets, master, views, aliased)
+            return SubGroup(group, members, offsets, None, views, [True] * len(members))
+        # The model state lays the masters out; an fp32 parameter's shard moves into its
+        # region (flat mode needs the sub-group contiguous), so it is its own master.
+        master, views = self._zstate.make_masters(members)
+        aliased = [sp.master is None for sp in members]
+        return SubGroup(group, members, offsets, master, views, aliased)
 
     def master_shards(self) -> list[torch.Tensor]:
         """Every optimized parameter's fp32 master shard (this rank's real elements), in
@@ -236,7 +231,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     # -- gradients --------------------------------------------------------------------------
 
-    def _grad_shards(self) -> list[tuple[_SubGroup, int, torch.Tensor]]:
+    def _grad_shards(self) -> list[tuple[SubGroup, int, torch.Tensor]]:
         """(sub-group, member position, this rank's real gradient elements) with a grad."""
         out = []
         for sg in self._subgroups:
@@ -356,7 +351,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         (the other batches' tensors have grad None then, so it skips them).
         """
         limit = self._zstate.config.sub_group_size
-        batch: list[_SubGroup] = []
+        batch: list[SubGroup] = []
         size = 0
         for sg in self._subgroups:
             if batch and size + sg.numel > limit:
@@ -367,7 +362,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         if batch:
             self._step_batch(batch)
 
-    def _step_batch(self, batch: list[_SubGroup]) -> None:
+    def _step_batch(self, batch: list[SubGroup]) -> None:
         scratch_offset = 0
         stepped = False
         for sg in batch:
@@ -380,7 +375,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             for view in sg.tensors():
                 view.grad = None
 
-    def _set_grads(self, sg: _SubGroup, scratch_offset: int) -> int:
+    def _set_grads(self, sg: SubGroup, scratch_offset: int) -> int:
         """Attach fp32 gradients to a sub-group's tensors; return the elements given."""
         grads = [self._zstate.grad_shard(sp) for sp in sg.params]
         if all(g is None for g in grads):
@@ -411,16 +406,18 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         return self._fp32_scratch[:numel]
 
     def _write_back(self) -> None:
-        """Copy stepped masters into non-fp32 shards; whole parameters are refreshed."""
-        for sg in self._subgroups:
-            for sp, view, aliased in zip(sg.params, sg.views, sg.aliased, strict=True):
-                if not aliased:
-                    sp.shard[: sp.local_numel].copy_(view)
-        self._zstate.publish(sp for sg in self._subgroups for sp in sg.params)
+        """Stepped masters go back into the model (non-fp32 shards; whole parameters)."""
+        self._zstate.commit_step(sp for sg in self._subgroups for sp in sg.params)
 
     def _end_window(self) -> None:
         self._grads_unscaled = False
-        self._zstate.end_window()
+        self._zstate.step.end_window()
+
+    def _parts(self) -> _optim_checkpoint.OptimizerParts:
+        """The masters, the wrapped optimizer and the scaler (for checkpoints)."""
+        return _optim_checkpoint.OptimizerParts(
+            self._subgroups, self.flat, self.optimizer, self.scaler
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """End the gradient accumulation window (gradients live in zero3's shards)."""
@@ -455,7 +452,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             ValueError: The wrapped optimizer keeps state that is neither a per-element
                 tensor nor a scalar (naming the state key and the parameter).
         """
-        return _optim_checkpoint.sharded_state(self)
+        return _optim_checkpoint.sharded_state(self._parts())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict` contents (filled by ``dcp.load``, at any world
@@ -469,7 +466,11 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             CheckpointMismatchError: The param groups list other parameters (by name),
                 or the state names parameters this optimizer does not step.
         """
-        _optim_checkpoint.load_sharded_state(self, state_dict)
+        _optim_checkpoint.load_sharded_state(self._parts(), state_dict)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        with torch.no_grad():
+            self._write_back()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, for a file per rank (same rank, same world size only).

@@ -16,7 +16,7 @@ from zero3.testing._checking import (
     TensorRecord,
 )
 from zero3.testing._harness import CaseError, GroupPool, RankExited, WorkerGroup
-from zero3.testing._syncs import SYNC_KINDS, HostSync, HostSyncCounter
+from zero3.testing._syncs import SYNC_KINDS, DeviceMemory, HostSync, HostSyncCounter, RealDevice
 from zero3.testing._tracker import (
     HOST_MEMORY,
     MIXED_DEVICES,
@@ -37,11 +37,13 @@ __all__ = [
     "CheckedWork",
     "CheckingBackend",
     "DeviceDisciplineError",
+    "DeviceMemory",
     "DeviceTracker",
     "GroupPool",
     "HostSync",
     "HostSyncCounter",
     "RankExited",
+    "RealDevice",
     "RecordingEvent",
     "RecordingStream",
     "Residence",

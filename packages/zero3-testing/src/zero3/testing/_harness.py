@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -104,6 +105,7 @@ def _worker_main(
     stack_path: str,
     conn: multiprocessing.connection.Connection,
     pg_timeout_s: float,
+    setup: str | None = None,
 ) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
@@ -114,6 +116,9 @@ def _worker_main(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        # The group's own module (e.g. one that loads a test device) and its check after
+        # each passing case.
+        after_case = getattr(importlib.import_module(setup), "after_case", None) if setup else None
         dist.init_process_group(
             "gloo",
             init_method=f"file://{store_path}",
@@ -139,6 +144,9 @@ def _worker_main(
             try:
                 fn, args, kwargs = cloudpickle.loads(message)
                 result = fn(*args, **kwargs)
+                del fn, args, kwargs
+                if after_case is not None:
+                    after_case()
                 reply = ("ok", cloudpickle.dumps(result))
             except BaseException:  # report everything, KeyboardInterrupt included
                 reply = ("err", traceback.format_exc())
@@ -157,11 +165,17 @@ class WorkerGroup:
         world_size: Number of ranks.
         pg_timeout_s: Timeout of the workers' default process group: a collective that a
             peer never joins fails after this long instead of torch's 30 minutes.
+        setup: A module every worker imports first (``"zero3.testing.device.worker"``
+            loads the zdev test device); its ``after_case()``, if it has one, runs after
+            each case that passed, and a raise there fails the case.
     """
 
-    def __init__(self, world_size: int, *, pg_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, world_size: int, *, pg_timeout_s: float = 30.0, setup: str | None = None
+    ) -> None:
         self.world_size = world_size
         self.pg_timeout_s = pg_timeout_s
+        self.setup = setup
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._tmpdir: str | None = None
@@ -181,7 +195,7 @@ class WorkerGroup:
             stack = os.path.join(self._tmpdir, f"stack-{rank}.txt")
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store, stack, child, self.pg_timeout_s),
+                args=(rank, self.world_size, store, stack, child, self.pg_timeout_s, self.setup),
                 daemon=True,
                 name=f"zero3-rank{rank}",
             )
@@ -373,17 +387,23 @@ class WorkerGroup:
 
 
 class GroupPool:
-    """One live :class:`WorkerGroup` per world size, created on first use."""
+    """One live :class:`WorkerGroup` per world size, created on first use.
 
-    def __init__(self, *, pg_timeout_s: float = 30.0) -> None:
+    Args:
+        pg_timeout_s: As for :class:`WorkerGroup`.
+        setup: As for :class:`WorkerGroup` (every group of the pool imports it).
+    """
+
+    def __init__(self, *, pg_timeout_s: float = 30.0, setup: str | None = None) -> None:
         self.pg_timeout_s = pg_timeout_s
+        self.setup = setup
         self._groups: dict[int, WorkerGroup] = {}
 
     def __call__(self, world_size: int) -> WorkerGroup:
         """Return the (started) group for ``world_size``."""
         group = self._groups.get(world_size)
         if group is None:
-            group = WorkerGroup(world_size, pg_timeout_s=self.pg_timeout_s)
+            group = WorkerGroup(world_size, pg_timeout_s=self.pg_timeout_s, setup=self.setup)
             self._groups[world_size] = group
         if not group.alive:
             group.close()

@@ -3,7 +3,9 @@
 Note:
     The kinds counted (``read``, ``to-host``, ``to-device``, ``shape``, ``wait``) are the
     points where torch makes an accelerator's host wait; with a tracker only device memory
-    counts. The list, as torch makes them: docs/testing.rst, :ref:`testing-host-syncs`.
+    counts, and on a real (or the simulated ``zdev``) device :class:`RealDevice` tells it
+    by each tensor's own device. The list, as torch makes them: docs/testing.rst,
+    :ref:`testing-host-syncs`.
 """
 
 from __future__ import annotations
@@ -12,14 +14,13 @@ import collections
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from zero3.testing._tracker import (
     VALUE_READS,
-    DeviceTracker,
     Residence,
     caller_site,
     in_transport,
@@ -28,7 +29,7 @@ from zero3.testing._tracker import (
     run_backward_under,
 )
 
-__all__ = ["SYNC_KINDS", "HostSync", "HostSyncCounter"]
+__all__ = ["SYNC_KINDS", "DeviceMemory", "HostSync", "HostSyncCounter", "RealDevice"]
 
 #: Every kind of synchronization the counter tells apart.
 SYNC_KINDS = ("read", "to-host", "to-device", "shape", "wait")
@@ -73,6 +74,48 @@ class HostSync:
     site: str
 
 
+class DeviceMemory(Protocol):
+    """What the counter asks about memory: a :class:`~zero3.testing.DeviceTracker`
+    (simulated placement on the host) or :class:`RealDevice` (tensors' own devices).
+    """
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` is (or would be) device memory."""
+
+    def add_listener(self, listener: Callable[[str, str], None]) -> None:
+        """Report host waits on streams, events or works to ``listener(kind, what)``."""
+
+    def remove_listener(self, listener: Callable[[str, str], None]) -> None:
+        """Stop reporting to ``listener``."""
+
+
+class RealDevice:
+    """Device memory as torch places it: any tensor not on the host (``cpu``) or meta.
+
+    For runs on a real accelerator or the simulated ``zdev`` device. It reports no host
+    waits of its own (streams and events are torch's): the zdev device counts those
+    itself (:func:`zero3.testing.device.detector.host_syncs`).
+    """
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type not in ("cpu", "meta")
+
+    def add_listener(self, listener: Callable[[str, str], None]) -> None:
+        """Nothing to report (see the class note)."""
+
+    def remove_listener(self, listener: Callable[[str, str], None]) -> None:
+        """Nothing to report (see the class note)."""
+
+
+def _real_residence(device: object) -> Residence:
+    """Where a ``device=`` argument puts a tensor on a real device (None: the default)."""
+    if device is None:
+        device = torch.get_default_device()
+    if isinstance(device, int):
+        return Residence.DEVICE
+    return Residence.HOST if torch.device(device).type in ("cpu", "meta") else Residence.DEVICE  # type: ignore[arg-type]
+
+
 def _is_mask(index: Any) -> bool:
     return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
 
@@ -86,7 +129,8 @@ class HostSyncCounter(TorchFunctionMode):
 
     Args:
         tracker: A :class:`~zero3.testing.DeviceTracker` telling device from host memory
-            and reporting stream waits (enter the tracker first).
+            and reporting stream waits (enter the tracker first), or a
+            :class:`RealDevice` on a device where tensors really live apart.
 
     Use::
 
@@ -102,9 +146,12 @@ class HostSyncCounter(TorchFunctionMode):
         steps: Those of each :meth:`step` block.
     """
 
-    def __init__(self, tracker: DeviceTracker | None = None) -> None:
+    def __init__(self, tracker: DeviceMemory | None = None) -> None:
         super().__init__()
         self.tracker = tracker
+        self._residence_of: Callable[[object], Residence] = (
+            _real_residence if isinstance(tracker, RealDevice) else residence_of_device
+        )
         self.syncs: list[HostSync] = []
         self.steps: list[list[HostSync]] = []
         self._current: list[HostSync] | None = None
@@ -199,7 +246,9 @@ class HostSyncCounter(TorchFunctionMode):
             return "to-device" if self.tracker is not None and not self._device(first) else None
         if name == "to" and isinstance(first, torch.Tensor):
             return self._transfer(
-                first, placement_of_to(args, kwargs, self._residence), non_blocking
+                first,
+                placement_of_to(args, kwargs, self._residence, self._residence_of),
+                non_blocking,
             )
         if name == "copy_" and isinstance(first, torch.Tensor) and len(args) > 1:
             source = args[1]
@@ -211,7 +260,7 @@ class HostSyncCounter(TorchFunctionMode):
             return self._indexing(name, first, args)
         if name in ("tensor", "as_tensor", "asarray") and self.tracker is not None:
             data = first
-            target = residence_of_device(kwargs.get("device"))
+            target = self._residence_of(kwargs.get("device"))
             if target is Residence.DEVICE and not (
                 isinstance(data, torch.Tensor) and self._device(data)
             ):

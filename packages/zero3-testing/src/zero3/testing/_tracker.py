@@ -715,14 +715,19 @@ class DeviceTracker(TorchFunctionMode):
 
 
 def placement_of_to(
-    args: Sequence[Any], kwargs: Mapping[str, Any], residence: Callable[[torch.Tensor], Residence]
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    residence: Callable[[torch.Tensor], Residence],
+    of_device: Callable[[object], Residence] = residence_of_device,
 ) -> Residence | None:
-    """Where ``Tensor.to(*args[1:], **kwargs)`` puts the result (None: where it is)."""
+    """Where ``Tensor.to(*args[1:], **kwargs)`` puts the result (None: where it is);
+    ``of_device`` reads a device argument (default: this module's simulated placement).
+    """
     if "device" in kwargs and kwargs["device"] is not None:
-        return residence_of_device(kwargs["device"])
+        return of_device(kwargs["device"])
     for arg in args[1:]:
         if isinstance(arg, torch.Tensor):
             return residence(arg)
         if isinstance(arg, str | torch.device | int) and not isinstance(arg, bool):
-            return residence_of_device(arg)
+            return of_device(arg)
     return None

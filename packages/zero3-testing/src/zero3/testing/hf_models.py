@@ -12,7 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HF_MODELS", "build_hf", "leaf_classes", "lm_rows", "trainer_arguments"]
+__all__ = [
+    "HF_MODELS",
+    "build_hf",
+    "leaf_classes",
+    "lm_rows",
+    "save_tiny",
+    "tiny_tokenizer",
+    "trainer_arguments",
+    "words",
+]
 
 VOCAB = 64
 SEQ = 12
@@ -150,3 +159,44 @@ def trainer_arguments(output_dir: str | Path, **overrides: Any) -> Any:
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
+
+
+#: The special tokens of :func:`tiny_tokenizer` (the other ids are words ``w4``...).
+PAD, EOS, BOS = 0, 1, 2
+
+
+def tiny_tokenizer() -> Any:
+    """A word-level tokenizer over ``VOCAB`` ids, built in memory (no download): ``<pad>``,
+    ``<eos>``, ``<bos>``, ``<unk>`` and the words ``w4`` ... ``w63``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<bos>": BOS, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+        unk_token="<unk>",
+    )  # fmt: skip
+
+
+def words(n: int, seed: int) -> str:
+    """``n`` random words of :func:`tiny_tokenizer`'s vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(4, VOCAB, (n,), generator=g))
+
+
+def save_tiny(name: str, directory: str | Path) -> Path:
+    """Save a tiny model of the family and :func:`tiny_tokenizer` to ``directory`` (what
+    ``from_pretrained(directory)`` loads; TRL builds reference models from that path).
+    """
+    model = build_hf(name)
+    model.config.use_cache = True
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id, config.bos_token_id = PAD, EOS, BOS
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory

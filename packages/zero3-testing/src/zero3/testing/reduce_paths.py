@@ -7,7 +7,7 @@ import zlib
 import torch
 
 from zero3.comm import CommBackend, ReduceOp, Stream
-from zero3.core import BufferPool, GradBucket, ReducePath, Reduction
+from zero3.core.engine import BufferPool, GradBucket, ReducePath, Reduction
 
 __all__ = ["ArrivalOrderPath"]
 

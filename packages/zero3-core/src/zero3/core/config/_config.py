@@ -1,0 +1,252 @@
+"""Zero3Config: every knob of the engine in one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import torch
+
+from zero3.core.config._checks import (
+    check_bool,
+    check_clipping,
+    check_float,
+    check_int,
+    check_timeout,
+)
+from zero3.core.config._deepspeed import fields_from_deepspeed
+from zero3.core.config._leaves import LeafTarget, check_leaf_targets
+
+__all__ = ["Zero3Config", "is_persistent"]
+
+_log = logging.getLogger(__name__)
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def _parse_dtype(field: str, value: object) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and not value.is_floating_point:
+            raise ValueError(f"Zero3Config.{field} must be a floating dtype, got {value}")
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower()]
+    raise ValueError(
+        f"Zero3Config.{field} must be None, a torch floating dtype or one of "
+        f"{sorted(_DTYPE_NAMES)}, got {value!r}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Config:
+    """Configuration of a sharded model and its optimizer.
+
+    ZeRO fields keep DeepSpeed's names and defaults; :meth:`from_deepspeed` maps a
+    DeepSpeed JSON config onto them. Sizes count elements, not bytes.
+
+    Attributes:
+        prefetch_bucket_size: Most elements one prefetch gathers ahead of use.
+        max_live_parameters: Prefetching never raises the elements of gathered
+            (non-persistent) parameters above this; only the module being run may.
+        max_reuse_distance: On module exit, parameters used again within this many
+            elements ahead in the trace (forward *and* backward) stay gathered. With the
+            default, a small model stays whole from forward through backward, as in
+            DeepSpeed; ``0`` releases every module's parameters on exit.
+        param_persistence_threshold: Parameters with at most this many elements stay
+            whole on every rank ("persistent"); they are refreshed after each step.
+        reduce_bucket_size: Elements per gradient bucket (one collective each).
+        contiguous_gradients: Gradients are copied into rank-major flat bucket buffers
+            on arrival (one collective per bucket); False keeps them as a list until the
+            bucket is reduced (the discrete path).
+        overlap_comm: Gathers and reductions run asynchronously alongside compute.
+        overlap_chunk_size: With :attr:`overlap_comm`, most elements one overlapped
+            collective carries: a gradient bucket is reduced in chunks of this size as
+            its gradients arrive, and a prefetch is issued as gathers of this size split
+            at module boundaries, so compute waits for the first chunk only, not for
+            the whole bucket (see :ref:`overlap chunks <overlap-chunks>`). Not a DeepSpeed field.
+        sub_group_size: Elements per optimizer sub-group (fp32 master chunk).
+        backend: Comm backend name for :func:`zero3.comm.create_backend` (``"auto"``).
+        leaf_modules: Modules whose whole subtree is gathered on entry and released on
+            exit (MoE blocks with routing): module classes, class names (bare or
+            qualified) or :class:`~zero3.core.ModulePath` places in the model (DeepSpeed's
+            ``leaf_module`` ``classes``, ``names`` and ``name_suffixes``). Every target
+            must match a module of the model it shards.
+        param_dtype: Parameters are cast to this dtype when sharded (None: keep).
+        reduce_dtype: Gradients are reduced and accumulated in this dtype (None: the
+            parameters' own).
+        grad_reduce_op: ``"reduce_scatter"`` or ``"all_reduce"`` (all-reduce then
+            keep this rank's slice: twice the bytes; for comparison).
+        gradient_clipping: Clip the global gradient norm to this value in the
+            optimizer's step. None or 0 (DeepSpeed's "off") do not clip; it is stored as
+            None. Negative, NaN or infinite values are errors.
+        loss_scale: fp16 static loss scale; 0 selects dynamic scaling.
+        initial_scale_power: Dynamic scaling starts at ``2**initial_scale_power``.
+        loss_scale_window: Successful steps before the dynamic scale doubles.
+        hysteresis: Overflows tolerated before the dynamic scale halves.
+        min_loss_scale: The dynamic scale never drops below this (> 0).
+        timeout_s: Timeout of every collective (a stuck peer raises after this long) of
+            the backend zero3 creates from :attr:`backend`; a backend passed to
+            ``shard_module(comm=...)`` keeps its own ``timeout_s``.
+        sync_module_states: Broadcast rank 0's parameters and buffers when sharding,
+            so ranks that initialized differently still train one model (as DDP does).
+            Meta parameters that ``shard_module`` initialises are broadcast module by
+            module; with this off they are checked instead (ranks that initialised them
+            differently raise an error).
+        extras: Read-only mapping of settings zero3 does not act on, kept for the
+            training loop: the DeepSpeed keys :meth:`from_deepspeed` leaves to it (batch
+            sizes, optimizer, scheduler, offload...) by dotted name (``"optimizer"``,
+            ``"zero_optimization.offload_param"``), with the file's values.
+    """
+
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    reduce_bucket_size: int = 500_000_000
+    contiguous_gradients: bool = True
+    overlap_comm: bool = True
+    overlap_chunk_size: int = 4_194_304
+    sub_group_size: int = 1_000_000_000
+    backend: str = "auto"
+    leaf_modules: tuple[LeafTarget, ...] = ()
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    grad_reduce_op: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    gradient_clipping: float | None = None
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    timeout_s: float = 300.0
+    sync_module_states: bool = True
+    extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prefetch_bucket_size",
+            "max_live_parameters",
+            "max_reuse_distance",
+            "param_persistence_threshold",
+            "initial_scale_power",
+        ):
+            self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=0))
+        for name in (
+            "reduce_bucket_size",
+            "overlap_chunk_size",
+            "sub_group_size",
+            "loss_scale_window",
+            "hysteresis",
+        ):
+            self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=1))
+        for name in ("contiguous_gradients", "overlap_comm", "sync_module_states"):
+            check_bool(f"Zero3Config.{name}", getattr(self, name))
+        if not isinstance(self.backend, str) or not self.backend:
+            raise TypeError(f"Zero3Config.backend must be a backend name, got {self.backend!r}")
+        self._set("leaf_modules", check_leaf_targets("Zero3Config.leaf_modules", self.leaf_modules))
+        self._set("param_dtype", _parse_dtype("param_dtype", self.param_dtype))
+        self._set("reduce_dtype", _parse_dtype("reduce_dtype", self.reduce_dtype))
+        if self.grad_reduce_op not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(
+                "Zero3Config.grad_reduce_op must be 'reduce_scatter' or 'all_reduce', "
+                f"got {self.grad_reduce_op!r}"
+            )
+        self._set(
+            "gradient_clipping",
+            check_clipping("Zero3Config.gradient_clipping", self.gradient_clipping),
+        )
+        self._set("loss_scale", check_float("Zero3Config.loss_scale", self.loss_scale, minimum=0))
+        self._set(
+            "min_loss_scale",
+            check_float("Zero3Config.min_loss_scale", self.min_loss_scale, positive=True),
+        )
+        self._set("timeout_s", check_timeout("Zero3Config.timeout_s", self.timeout_s))
+        if not isinstance(self.extras, Mapping):
+            raise TypeError(
+                f"Zero3Config.extras must be a mapping, got {type(self.extras).__name__}"
+            )
+        self._set("extras", MappingProxyType(dict(self.extras)))
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+    # -- DeepSpeed ------------------------------------------------------------------
+
+    @classmethod
+    def from_deepspeed(
+        cls, config: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+    ) -> Zero3Config:
+        """Build a config from a DeepSpeed JSON config (a dict or a path to the file).
+
+        Every key DeepSpeed reads is known (the table in the configuration docs): ZeRO
+        keys map onto the fields of the same meaning (``zero_optimization.stage`` must
+        be 3, ``leaf_module`` fills :attr:`leaf_modules`), ``bf16`` / ``fp16`` select
+        :attr:`param_dtype` and fp16 loss scaling, ``gradient_clipping`` and
+        ``communication_data_type`` map directly. ``"auto"`` is resolved as the HF
+        Trainer does without TrainingArguments (precision off, clipping 1.0, batch
+        sizes, optimizer and scheduler left to the training loop, anything else
+        DeepSpeed's default) and each resolution is logged. Keys zero3 does not act on
+        (batch sizes, optimizer, scheduler, offload...) are logged once at INFO with what
+        to do instead and kept in :attr:`extras` under their dotted names. A wrong type
+        or value, an unknown key (a typo), a ``null`` section or a setting zero3 cannot
+        run is an error naming the key.
+
+        Args:
+            config: The DeepSpeed config as a mapping, or a path to its JSON file.
+            **overrides: Zero3Config fields that win over the file's values (the file is
+                still checked, but the keys these fields replace are not refused for
+                contradicting each other: ``param_dtype=`` settles bf16 vs fp16).
+
+        Raises:
+            ValueError: Unreadable file, unsupported stage, unknown key, a bad value or a
+                setting zero3 cannot run.
+            TypeError: A value of the wrong type.
+        """
+        if isinstance(config, str | os.PathLike):
+            config = _load_json(Path(config))
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                f"a DeepSpeed config must be a mapping or a path, got {type(config).__name__}"
+            )
+        fields = fields_from_deepspeed(config, overrides=overrides.keys())
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _load_json(path: Path) -> Any:
+    """Parse a JSON file; a repeated key is an error (JSON would keep the last silently)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"DeepSpeed config {path}: key {key!r} appears twice")
+            seen[key] = value
+        return seen
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"DeepSpeed config {path}: cannot read it ({exc})") from exc
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {exc}") from exc
+
+
+def is_persistent(numel: int, world_size: int, config: Zero3Config) -> bool:
+    """Whether a parameter stays whole on every rank (a world of one keeps everything)."""
+    return world_size == 1 or numel <= config.param_persistence_threshold

@@ -1,0 +1,256 @@
+"""Model-state memory: what a rank holds (measured) and will hold (estimated).
+
+ZeRO-3's promise is arithmetic: with N ranks each holds 1/N of the parameters, the
+gradients and the optimizer state. For fp32 AdamW that is ``16·Ψ/N`` bytes (4 for the
+parameter, which is also the optimizer's master copy, 4 for its gradient, 8 for the two
+moments) against ``16·Ψ`` in one process. :func:`memory_stats` counts what a sharded
+model and its optimizer really hold; :func:`estimate_model_states` answers the same
+question before anything is built, from a model on the meta device or a parameter count.
+Neither counts activations, communication buffers or allocator slack: the process's
+peak resident set (also reported) holds those on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from zero3.core.config._config import Zero3Config, is_persistent
+
+__all__ = [
+    "MemoryStats",
+    "ModelStatesEstimate",
+    "estimate_model_states",
+    "peak_rss_bytes",
+    "storage_bytes",
+    "storages",
+]
+
+#: fp32 state values per parameter element of common optimizers.
+OPTIMIZER_STATES: dict[str, float] = {
+    "adamw": 2,
+    "adam": 2,
+    "lion": 1,
+    "adagrad": 1,
+    "sgd-momentum": 1,
+    "sgd": 0,
+    "none": 0,
+}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: the kernel's high-water mark.
+
+    Read as ``VmHWM`` where /proc has it: ``ru_maxrss`` is the same counter but also
+    keeps the peak of the image before ``exec``, so a rank spawned by a large Python
+    parent would report the parent's RSS as its own peak.
+    """
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and (skip is None or storage.data_ptr() not in skip):
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """Model-state bytes held by this rank, against one unsharded process.
+
+    Attributes:
+        world_size: Ranks the model is sharded over.
+        numel: Parameter elements of the whole model (Ψ).
+        param_bytes: Parameter shards plus whole persistent parameters.
+        grad_bytes: Gradient shards (zero until the first backward; a world of one
+            keeps its gradients only until the optimizer step).
+        master_bytes: fp32 master shards that are not the parameter shards themselves
+            (none for fp32 parameters).
+        optimizer_bytes: Optimizer state tensors (zero until the first step).
+        unsharded_bytes: What one process would hold for the same state: every
+            parameter, gradient, master and optimizer value (the optimizer's bytes per
+            element as measured here).
+        gathered_bytes: Full parameters gathered right now (non-persistent ones).
+        peak_gathered_bytes: Most full-parameter bytes gathered at once since sharding.
+        pool_bytes: Communication and parameter buffers cached for reuse.
+        peak_rss_bytes: The process's peak resident set (everything: model state,
+            activations, buffers, the interpreter and libraries).
+    """
+
+    world_size: int
+    numel: int
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    unsharded_bytes: int
+    gathered_bytes: int
+    peak_gathered_bytes: int
+    pool_bytes: int
+    peak_rss_bytes: int
+
+    @property
+    def held_bytes(self) -> int:
+        """The model state this rank holds (parameters, gradients, masters, optimizer state)."""
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def held_fraction(self) -> float:
+        """``held_bytes / unsharded_bytes`` (ideally ``1/N``)."""
+        return self.held_bytes / max(1, self.unsharded_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStatesEstimate:
+    """Model-state bytes each rank will hold (:func:`estimate_model_states`).
+
+    Attributes:
+        world_size: Ranks (N).
+        numel: Parameter elements (Ψ).
+        param_bytes: Parameter shards plus whole persistent parameters, per rank.
+        grad_bytes: Gradient shards, per rank.
+        master_bytes: fp32 master shards (parameters not in fp32), per rank.
+        optimizer_bytes: Optimizer state, per rank.
+        unsharded_bytes: The same state in one unsharded process.
+        largest_module_bytes: The largest module's own parameters, whole: what one
+            module's gather adds while it runs (``max_reuse_distance=0``).
+    """
+
+    world_size: int
+    numel: int
+    param_bytes: int
+    grad_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    unsharded_bytes: int
+    largest_module_bytes: int
+
+    @property
+    def per_rank_bytes(self) -> int:
+        """The model state per rank (parameters, gradients, masters, optimizer state)."""
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+def _param_list(
+    model: nn.Module | int,
+) -> tuple[list[tuple[int, torch.dtype, bool]], int]:
+    """(numel, dtype, trainable) per distinct parameter, and the largest module's bytes."""
+    if isinstance(model, int):
+        if model < 0:
+            raise ValueError(f"estimate_model_states: a parameter count must be >= 0, got {model}")
+        return [(model, torch.float32, True)], model * 4
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            "estimate_model_states expects an nn.Module (on the meta device is fine) or a "
+            f"parameter count, got {type(model).__name__}"
+        )
+    params = [(p.numel(), p.dtype, p.requires_grad) for p in model.parameters()]
+    largest = max(
+        (
+            sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+            for m in model.modules()
+        ),
+        default=0,
+    )
+    return params, largest
+
+
+def estimate_model_states(
+    model: nn.Module | int,
+    world_size: int,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    optimizer: str | float = "adamw",
+    config: Zero3Config | None = None,
+) -> ModelStatesEstimate:
+    """Model-state bytes per rank of a model sharded over ``world_size`` ranks, before
+    anything is built (DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live``).
+
+    Counts what zero3 allocates: per parameter a shard of ``ceil(numel/N)`` elements
+    (whole parameters too for persistent ones), a gradient shard in the reduce dtype, an
+    fp32 master shard when the parameter is not fp32, and the optimizer's fp32 state
+    values for each element this rank steps.
+
+    Args:
+        model: A model (build it under ``zero3.hooks.empty_init()`` or
+            ``torch.device("meta")``: nothing is allocated), or a parameter count
+            (one fp32 tensor, trainable).
+        world_size: Ranks (N).
+        param_dtype: The dtype parameters are sharded in (default: each one's own,
+            or ``config.param_dtype``).
+        reduce_dtype: The gradient dtype (default: ``config.reduce_dtype``, else the
+            parameter dtype).
+        optimizer: A name in ``adamw, adam, lion, adagrad, sgd-momentum, sgd, none`` or
+            the number of fp32 state values it keeps per element.
+        config: Engine settings (persistence threshold, dtypes); default
+            ``Zero3Config()``.
+
+    Raises:
+        ValueError: Unknown optimizer name, or ``world_size < 1``.
+    """
+    config = config or Zero3Config()
+    if world_size < 1:
+        raise ValueError(f"estimate_model_states: world_size must be >= 1, got {world_size}")
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"estimate_model_states: unknown optimizer {optimizer!r}; give one of "
+                f"{sorted(OPTIMIZER_STATES)} or the fp32 values it keeps per element"
+            )
+        states = OPTIMIZER_STATES[optimizer.lower()]
+    else:
+        states = float(optimizer)
+    params, largest = _param_list(model)
+    param_dtype = param_dtype or config.param_dtype
+    reduce_dtype = reduce_dtype or config.reduce_dtype
+    held = {"param": 0, "grad": 0, "master": 0, "optimizer": 0}
+    unsharded = 0
+    for numel, own_dtype, trainable in params:
+        dtype = param_dtype or own_dtype
+        el = torch.empty((), dtype=dtype).element_size()
+        grad_el = torch.empty((), dtype=reduce_dtype or dtype).element_size()
+        shard = -(-numel // world_size)
+        whole = is_persistent(numel, world_size, config)
+        if world_size == 1:  # the "shard" is the parameter itself
+            held["param"] += numel * el
+        else:  # a persistent parameter keeps its shard and its whole self
+            held["param"] += shard * el + (numel * el if whole else 0)
+        unsharded += numel * el
+        if not trainable:
+            continue
+        local = min(shard, numel)
+        held["grad"] += shard * grad_el if world_size > 1 else numel * grad_el
+        held["master"] += 0 if dtype == torch.float32 else shard * 4
+        held["optimizer"] += int(local * states * 4)
+        unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
+        unsharded += int(numel * states * 4)
+    return ModelStatesEstimate(
+        world_size=world_size,
+        numel=sum(n for n, _, _ in params),
+        param_bytes=held["param"],
+        grad_bytes=held["grad"],
+        master_bytes=held["master"],
+        optimizer_bytes=held["optimizer"],
+        unsharded_bytes=unsharded,
+        largest_module_bytes=largest,
+    )

@@ -1,0 +1,735 @@
+"""ShardedModelState: everything core knows about one sharded model."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from zero3.comm import CommBackend, ReduceOp
+from zero3.core.config._config import Zero3Config, is_persistent
+from zero3.core.config._leaves import match_leaf_modules
+from zero3.core.construct._materialize import (
+    Checkpoint,
+    Materializer,
+    ParamInitFn,
+    own_storage,
+)
+from zero3.core.diag._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core.diag._stats import StatsBook, StepStats
+from zero3.core.diag._tracer import Tracer
+from zero3.core.grads._reducer import GradReducer
+from zero3.core.model._step import TrainingStep
+from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
+from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
+from zero3.core.params import _params
+from zero3.core.params._broadcast import broadcast_from_rank0
+from zero3.core.params._coordinator import GATHERED_PARAMETERS, UNSHARDED, ParamCoordinator
+from zero3.core.params._params import ParamStatus, ShardedParam
+from zero3.core.params._pool import BufferPool
+
+__all__ = [
+    "ShardedModelState",
+    "mark_leaf",
+    "sharded_state",
+    "state_of",
+    "try_sharded_state",
+]
+
+_log = logging.getLogger("zero3.core")
+
+#: generate's votes a rank still generating may leave in flight (see all_finished).
+_VOTES_IN_FLIGHT = 4
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, ShardedModelState] = weakref.WeakKeyDictionary()
+_PARAM_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LEAF_MARKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_PENDING_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def mark_leaf(module: nn.Module) -> None:
+    """Mark a module as a leaf before it is sharded (``set_leaf_modules`` uses this)."""
+    _LEAF_MARKED.add(module)
+
+
+def add_pending_external(module: nn.Module, param: nn.Parameter) -> None:
+    """Remember an external parameter registered before the model is sharded."""
+    _PENDING_EXTERNAL.setdefault(module, []).append(param)
+
+
+class ShardedModelState:
+    """Everything core knows about one sharded model: the façade hooks and optim call.
+
+    Created by :meth:`create` (``zero3.hooks.shard_module`` calls it). The module hooks
+    drive its :attr:`step`; the optimizer reads its gradient shards, keeps its fp32
+    masters in buffers this state lays out (:meth:`make_masters`) and hands the stepped
+    values back with :meth:`commit_step`.
+
+    Attributes:
+        module: The root module.
+        config: Its configuration.
+        comm: Backend for parameter gathers and broadcasts.
+        grad_comm: Backend for gradient reductions (an independent duplicate).
+        params: Every sharded parameter, in ``named_parameters()`` order.
+        modules: ``(qualified_name, module)`` for every module.
+        coordinator: Gathers, prefetches and releases parameters.
+        reducer: Reduces gradients into this rank's gradient shards.
+        sync: Merges in-place edits and rank 0's buffers.
+        step: The :class:`~zero3.core.engine.TrainingStep` that owns each step.
+        stats: Step counters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Zero3Config,
+        comm: CommBackend,
+        *,
+        param_init_fn: ParamInitFn | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.grad_comm = _duplicate(comm)
+        self.stats = StatsBook(comm.world_size)
+        self.modules = list(module.named_modules())
+        # Headers before size-dependent collectives travel on a host channel of their own.
+        self.control = comm.host_channel()
+        names = [name or "<root>" for name, _ in self.modules]
+        self.guard = CollectiveGuard(self.control, comm.rank, names.__getitem__)
+        check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
+        self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
+        for sp in self.params:
+            sp.version = sp.param._version  # whole data == shards from here on
+        self.pool = BufferPool(limit_bytes=self._first_pool_limit())
+        self.coordinator = ParamCoordinator(
+            comm, config, self.modules, self._direct_params(), self.stats, self.pool, self.guard
+        )
+        self._apply_leaves()
+        self._apply_pending_externals()
+        self.reducer = GradReducer(
+            self.grad_comm,
+            config,
+            [sp for sp in self.params if sp.requires_grad],
+            self.coordinator.leaf_of(),
+            self.stats,
+            self.pool,
+            defer_launches=self.grad_comm is comm,
+        )
+        self.sync = ModelSync(module, self.params, comm, self.guard, self.coordinator, self.stats)
+        self.step = TrainingStep(
+            self.modules, self.params, self.coordinator, self.reducer, self.sync, self.stats
+        )
+        # Parameter index -> the optimizer stepping it (each parameter at most one).
+        self._optimizer_of: dict[int, object] = {}
+        self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
+        #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
+        self.unsharded_blocks = 0
+        #: The plan of the ``unsharded`` block open now, if any.
+        self.unsharded_plan: UnshardedPlan | None = None
+
+    # -- creation ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        module: nn.Module,
+        config: Zero3Config,
+        comm: CommBackend,
+        *,
+        param_init_fn: ParamInitFn | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> ShardedModelState:
+        """Partition ``module``'s parameters across ``comm``'s ranks.
+
+        Parameters on the meta device are built straight into this rank's shards, one
+        module at a time: read from ``checkpoint`` (a path or a
+        :class:`~zero3.core.WeightSource`; then every parameter is loaded from it), or
+        initialised by ``param_init_fn(module)`` / the modules' ``reset_parameters()``.
+        See ``zero3.hooks.shard_module`` for the rules.
+        """
+        if module in _STATES:
+            raise ValueError(
+                f"{type(module).__name__} is already sharded; call zero3.hooks.unshard_module "
+                "first to shard it again"
+            )
+        for name, param in module.named_parameters():
+            if _params.lookup(param) is not None:
+                raise ValueError(
+                    f"parameter {name!r} of {type(module).__name__} already belongs to a "
+                    "sharded model; a parameter can be sharded once (unshard the other model)"
+                )
+        state = cls(module, config, comm, param_init_fn=param_init_fn, checkpoint=checkpoint)
+        _STATES[module] = state
+        return state
+
+    def _partition(
+        self, param_init_fn: ParamInitFn | None, checkpoint: Checkpoint | None
+    ) -> list[ShardedParam]:
+        """Cast, synchronise and shard every parameter (``named_parameters()`` order).
+
+        Meta parameters are materialised straight into their shards (see
+        :class:`~zero3.core.construct._materialize.Materializer`); the others are cut here.
+        """
+        named = list(self.module.named_parameters())
+        builder = Materializer(
+            self.module,
+            named,
+            self.config,
+            self.comm,
+            param_init_fn=param_init_fn,
+            checkpoint=checkpoint,
+        )
+        builder.prepare()  # every check, agreed by every rank, before anything changes
+        eager = [p for i, (_, p) in enumerate(named) if i not in builder.handled]
+        with torch.no_grad():
+            for param in eager:
+                if self.config.param_dtype is not None and param.dtype != self.config.param_dtype:
+                    param.data = param.data.to(self.config.param_dtype)
+                own_storage(param)
+                param.grad = None
+            if self.config.sync_module_states and self.comm.world_size > 1:
+                tensors = [p.data for p in eager] + builder.eager_buffers()
+                broadcast_from_rank0(self.comm, tensors)
+            shards = builder.run()
+            return [
+                self._shard(index, name, param, shards.get(index))
+                for index, (name, param) in enumerate(named)
+            ]
+
+    def _direct_params(self) -> list[list[ShardedParam]]:
+        """For each module, the sharded parameters it owns directly (records owners)."""
+        by_param = {id(sp.param): sp for sp in self.params}
+        direct: list[list[ShardedParam]] = []
+        for mod_name, mod in self.modules:
+            own = [by_param[id(p)] for p in mod._parameters.values() if p is not None]
+            for sp in own:
+                sp.owners.append(mod_name or "<root>")
+            direct.append(own)
+        return direct
+
+    def _shard(
+        self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
+    ) -> ShardedParam:
+        """Record one parameter's partition. ``shard``: this rank's shard, already cut
+        (the materializer's; the parameter then holds no bytes).
+        """
+        world, rank = self.comm.world_size, self.comm.rank
+        numel = param.numel()
+        shard_numel = -(-numel // world)
+        if shard is not None:
+            pass  # cut by the materializer
+        elif world == 1:
+            # Note: a world of one has nothing to shard. The "shard" is the parameter's
+            # own data and the parameter stays whole (persistent): no gathers, and the
+            # optimizer steps the parameter in place, so a single process pays nothing.
+            shard = param.detach().reshape(-1)
+        else:
+            flat = param.detach().reshape(-1)
+            start = min(rank * shard_numel, numel)
+            stop = min(start + shard_numel, numel)
+            shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
+            shard[: stop - start].copy_(flat[start:stop])
+        sp = ShardedParam(
+            index=index,
+            name=name,
+            param=param,
+            shape=param.shape,
+            numel=numel,
+            shard_numel=shard_numel,
+            shard=shard,
+            persistent=is_persistent(numel, world, self.config),
+            rank=rank,
+            world_size=world,
+            aliases_param=world == 1,
+        )
+        _params.register(sp)
+        _PARAM_STATE[param] = self
+        if not sp.persistent:
+            _params.free_full(param)
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+        return sp
+
+    def _first_pool_limit(self) -> int:
+        """What the buffer pool may cache before the first step has measured its working set.
+
+        The largest buffers a step needs at once: a whole-model gather (its receive buffer,
+        the model's bytes, plus the send buffer, 1/N of that); the gradient bucket reuses
+        them (best fit). A configuration that keeps fewer parameters gathered
+        (``max_live_parameters`` plus one prefetch bucket, or the largest parameter if
+        that is more) bounds it further, as the end of each step does with the measured
+        peak: otherwise the first step of a model whose parameters differ in size could
+        cache a released storage of every size, the whole model. See BufferPool.
+        """
+        world = self.comm.world_size
+        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        whole = model_bytes + model_bytes // world + (1 << 20)
+        if not self.params:
+            return whole
+        elem = max(sp.shard.element_size() for sp in self.params)
+        largest = max(sp.padded_numel * sp.shard.element_size() for sp in self.params)
+        live = self.config.max_live_parameters + self.config.prefetch_bucket_size
+        peak = max(largest, live * elem)
+        return min(whole, 2 * peak + peak // world + (1 << 20))
+
+    def _apply_leaves(self) -> None:
+        matched = match_leaf_modules(
+            self.module, self.config.leaf_modules, source="Zero3Config.leaf_modules"
+        )
+        chosen = {id(mod) for _, mod in matched}
+        for index, (_, mod) in enumerate(self.modules):
+            if id(mod) in chosen or mod in _LEAF_MARKED:
+                self.coordinator.set_leaf(index, True)
+
+    def _apply_pending_externals(self) -> None:
+        for index, (_, mod) in enumerate(self.modules):
+            for param in _PENDING_EXTERNAL.pop(mod, []):
+                sp = _params.lookup(param)
+                if sp is not None:
+                    self.coordinator.add_external(index, sp)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def hooked_modules(self) -> Iterator[tuple[int, str, nn.Module]]:
+        """Modules that get hooks: every module except those strictly inside a leaf."""
+        for index in self.coordinator.hooked_modules():
+            name, mod = self.modules[index]
+            yield index, name, mod
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The trace-event recorder, or None while tracing is off. Set it to start tracing."""
+        return self.coordinator.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer | None) -> None:
+        self.coordinator.tracer = tracer
+        self.reducer.tracer = tracer
+
+    def last_stats(self) -> StepStats:
+        """Counters of the last finished step (the step in progress is not finished)."""
+        return self.stats.last if self.step.is_open else self.stats.current
+
+    def set_leaf(self, module: nn.Module, leaf: bool = True) -> None:
+        """Mark or unmark a submodule as a leaf after sharding (rebuilds buckets)."""
+        if self.step.is_open:
+            raise RuntimeError("zero3: change leaf modules between steps, not during one")
+        if self.step.micro_steps:
+            raise RuntimeError(
+                "zero3: leaf modules changed in the middle of a gradient accumulation "
+                "window; change them before backward or after the optimizer step"
+            )
+        self.coordinator.set_leaf(self.coordinator.index_of(module), leaf)
+        self.reducer.replan(self.coordinator.leaf_of())
+        for trace in self.coordinator.traces.values():
+            trace.invalidate()
+
+    def fetch_set(self, module_index: int) -> list[ShardedParam]:
+        """The non-persistent parameters gathered for a module (direct, external, leaf)."""
+        return self.coordinator.fetch_set(module_index)
+
+    # -- gathering outside the hooks -------------------------------------------------------
+
+    def pin(self, params: Sequence[ShardedParam], purpose: int = GATHERED_PARAMETERS) -> None:
+        """Gather ``params`` and keep them whole across steps until :meth:`unpin`
+        (``gathered_parameters``; a collective). ``purpose`` names the caller in headers
+        and fingerprints (``zero3.core.params._coordinator``'s pseudo-module indices).
+        """
+        self.coordinator.fetch_params(params, purpose, self.step.moment(), pin=True)
+
+    def unpin(self, params: Sequence[ShardedParam]) -> None:
+        """Drop :meth:`pin`'s hold; parameters no module holds are released."""
+        self.coordinator.release_params(params, pin=True)
+
+    def open_unsharded(self, max_bytes: int | None) -> UnshardedPlan:
+        """Begin a ``zero3.hooks.unsharded`` block (a collective): plan what it keeps
+        gathered (``zero3.core.model._unshard``) and gather it in runs of at most
+        ``prefetch_bucket_size`` elements (their headers check every rank does the same).
+
+        Raises:
+            RuntimeError: A block or a step is open (:meth:`TrainingStep.enter_unsharded`).
+            FingerprintMismatchError: The ranks do not all enter the same block.
+        """
+        self.step.enter_unsharded()
+        self.unsharded_blocks += 1
+        plan = plan_unsharded(self.coordinator, self.params, max_bytes)
+        pinned: list[ShardedParam] = []
+        try:
+            # No header of its own: the gathers' headers name the block and the set of
+            # parameters, so ranks entering different blocks (or one not entering) fail.
+            self.coordinator.traces["unsharded"].invalidate()
+            self.coordinator.cap_bytes = plan.cap_bytes
+            for piece in chunks(plan.pinned, max(1, self.config.prefetch_bucket_size)):
+                pinned.extend(piece)
+                self.pin(piece, UNSHARDED)
+        except BaseException:
+            self._end_unsharded(pinned, clean=False)
+            raise
+        self.unsharded_plan = plan
+        return plan
+
+    def close_unsharded(self, plan: UnshardedPlan, *, clean: bool) -> None:
+        """End a block: with ``clean`` (every rank leaves it normally; a collective) merge
+        the edits made inside it and rank 0's buffers first, then release what it kept.
+        A block left by an exception only releases (no collective a peer may not join).
+        """
+        self._end_unsharded(plan.pinned, clean=clean)
+
+    def _end_unsharded(self, pinned: Sequence[ShardedParam], *, clean: bool) -> None:
+        self.coordinator.cap_bytes = None
+        self.unsharded_plan = None
+        try:
+            if clean:
+                self.synchronize()
+        finally:
+            self.unpin(pinned)
+            self.step.exit_unsharded()
+
+    def all_finished(self, done: bool) -> bool:
+        """Whether every rank is ``done``: ``generate``'s stopping vote, a collective every
+        rank casts once per decoding step.
+
+        Note (votes left in flight):
+            A rank still generating knows the answer ("no"): it casts its vote and
+            returns, leaving up to ``_VOTES_IN_FLIGHT`` in flight; a rank that is done
+            waits for all of its votes. The answer is "yes" only when every rank voted
+            done, and then every rank waited for that vote, so all decide alike.
+        """
+        if self.comm.world_size == 1:
+            return done
+        ballot = self._cast_vote(done)
+        self.stats.current.other_collectives += 1
+        if not done:
+            self._ballots.append(ballot)
+            while len(self._ballots) > _VOTES_IN_FLIGHT:
+                self._ballots.pop(0)()
+            return False
+        self.settle_votes()
+        return ballot()
+
+    def settle_votes(self) -> None:
+        """Wait for (and check) the votes :meth:`all_finished` left in flight."""
+        ballots, self._ballots = self._ballots, []
+        for ballot in ballots:
+            ballot()
+
+    def _cast_vote(self, done: bool) -> Callable[[], bool]:
+        if self.guard.active:
+            op = Op(OpKind.VOTE, self.step.number, int(self.step.moment().phase))
+            ballot = self.guard.cast(op, int(done))
+            return lambda: all(ballot.result())
+        flag = torch.tensor([1.0 if done else 0.0], device=self.comm.device())
+        work = self.comm.all_reduce(flag, op=ReduceOp.SUM)
+
+        def result() -> bool:
+            with waiting_for(lambda: f"rank {self.comm.rank} timed out in generate's vote"):
+                work.wait()
+            return float(flag.item()) == self.comm.world_size
+
+        return result
+
+    def add_external(self, module: nn.Module, sp: ShardedParam) -> None:
+        """``module``'s forward uses ``sp``, which it does not own: gather it with it."""
+        self.coordinator.add_external(self.coordinator.index_of(module), sp)
+
+    # -- the optimizer's side (zero3.optim drives these) ----------------------------------
+
+    def claim(self, params: Iterable[ShardedParam], optimizer: object) -> None:
+        """Record that ``optimizer`` steps ``params``; each parameter has one optimizer.
+
+        Raises:
+            ValueError: A parameter already belongs to another optimizer.
+        """
+        params = list(params)
+        self.synchronize()  # edits made since sharding (re-initialised weights) first
+        for sp in params:
+            owner = self._optimizer_of.get(sp.index)
+            if owner is not None and owner is not optimizer:
+                raise ValueError(
+                    f"PartitionedOptimizer: parameter {sp.name!r} is already stepped by "
+                    "another PartitionedOptimizer; give each parameter to one optimizer"
+                )
+        for sp in params:
+            self._optimizer_of[sp.index] = optimizer
+
+    def optimizers(self) -> list[object]:
+        """The optimizers that claimed parameters of this model, in claiming order."""
+        found: list[object] = []
+        for optimizer in self._optimizer_of.values():
+            if not any(optimizer is seen for seen in found):
+                found.append(optimizer)
+        return found
+
+    def owns(self, param: torch.Tensor) -> ShardedParam | None:
+        """The sharded state of ``param`` if it is a parameter of this model, else None."""
+        sp = _params.lookup(param)
+        return sp if sp is not None and _PARAM_STATE.get(param) is self else None
+
+    def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
+        """This rank's padded gradient shard of ``sp`` for the window (None: no gradient
+        on any rank).
+        """
+        return self.reducer.grad_shard(sp)
+
+    def make_masters(
+        self, params: Sequence[ShardedParam]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Lay out fp32 masters for ``params`` (an optimizer sub-group): one flat buffer of
+        their padded shards back to back, and each one's real elements in it.
+
+        An fp32 parameter's shard *moves* into the buffer (one copy of the fp32 state,
+        nothing to write back); any other dtype keeps its shard and its region becomes
+        the master, which :meth:`commit_step` copies back and writes keep in step with
+        edits made outside the optimizer (loading, ``gathered_parameters``).
+        """
+        device = params[0].shard.device
+        flat = torch.empty(sum(sp.shard_numel for sp in params), dtype=torch.float32, device=device)
+        views, cursor = [], 0
+        for sp in params:
+            region = flat[cursor : cursor + sp.shard_numel]
+            cursor += sp.shard_numel
+            region.copy_(sp.shard)
+            if sp.dtype == torch.float32 and not sp.aliases_param:
+                sp.shard = region
+            else:
+                sp.master = region[: sp.local_numel]
+            views.append(region[: sp.local_numel])
+        return flat, views
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """A small all-reduce on the gradient backend (norms, overflow flags), counted."""
+        with waiting_for(
+            lambda: (
+                f"rank {self.comm.rank} timed out in the optimizer's all-reduce "
+                f"(step {self.step.number})"
+            )
+        ):
+            self.grad_comm.all_reduce(tensor, op=op).wait()
+        self.stats.current.other_collectives += 1
+
+    def commit_step(self, params: Iterable[ShardedParam]) -> None:
+        """An optimizer stepped these parameters' masters: copy each separate master into
+        its shard (in the parameter's dtype), then gather again, in one refresh, the ones
+        whole on this rank.
+        """
+        whole_here = []
+        with torch.no_grad():
+            for sp in params:
+                if sp.master is not None:
+                    sp.shard[: sp.local_numel].copy_(sp.master)
+                if not sp.aliases_param and whole(sp):
+                    whole_here.append(sp)
+        self.coordinator.refresh(whole_here, self.step.moment())
+
+    # -- consistency across ranks --------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Merge every rank's in-place edits of whole parameters into the shards and
+        masters, and give every rank rank 0's buffers
+        (:class:`~zero3.core.model._sync.ModelSync`). A collective; zero3 calls it when an
+        optimizer is built and before it steps, at the end of inference forwards, before
+        state dicts and when unsharding.
+        """
+        self.sync.synchronize(self.step.number)
+
+    def agree(self, kind: OpKind) -> None:
+        """Check that every rank enters the same collective helper now (``kind``);
+        raises on every rank, naming what each one does, if not.
+        """
+        self.guard.check(Op(kind, self.step.number))
+
+    # -- writing parameter values ---------------------------------------------------------
+
+    def write_full(self, sp: ShardedParam, flat: torch.Tensor, *, masters: bool = True) -> None:
+        """Set ``sp`` from its full values (``numel`` elements, flat): this rank's shard
+        and (``masters``) master, and the parameter itself where it is whole here.
+        """
+        start, stop = sp.valid_range(sp.rank)
+        sp.write_local(flat[start:stop], masters=masters)
+        if sp.status is ParamStatus.AVAILABLE and not sp.aliases_param:
+            _params.write_full(sp.param, flat)
+        # The whole data (if any) equals the shards again: no edit pending.
+        sp.version = sp.param._version
+        self.coordinator.edits.pop(sp.index, None)
+
+    def full_grad(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp``'s full gradient for the window, gathered from every rank (a collective)."""
+        shard = self.reducer.grad_shard(sp)
+        if shard is None:
+            return None
+        nbytes = shard.numel() * shard.element_size()
+        self.guard.check(Op(OpKind.FULL_GRAD, self.step.number, 0, -1, sp.index, nbytes))
+        out = torch.empty(sp.padded_numel, dtype=shard.dtype, device=shard.device)
+        with waiting_for(lambda: f"rank {self.comm.rank} timed out in full_grad({sp.name!r})"):
+            self.grad_comm.all_gather(out, shard.contiguous()).wait()
+        self.stats.current.other_collectives += 1
+        return out[: sp.numel].view(sp.shape)
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Gather every parameter for good and forget the partitioning."""
+        self.step.close()
+        self.synchronize()
+        self.coordinator.fetch_params(self.params, -1, self.step.moment())
+        for sp in self.params:
+            _params.unregister(sp.param)
+            _PARAM_STATE.pop(sp.param, None)
+        _STATES.pop(self.module, None)
+        if self.grad_comm is not self.comm:
+            self.grad_comm.close()
+        if self.control is not None:
+            self.control.close()
+
+    # -- device and dtype (``module.to``) -----------------------------------------------
+
+    def convert(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> bool:
+        """Apply ``module.to(device, dtype)`` to the sharded parameters: cast each
+        floating-point parameter's shard (and its whole data where it is whole here) to
+        ``dtype``; check that ``device`` is where the comm backend moves tensors.
+        Returns whether anything was cast (``zero3.hooks.ShardedModule.to`` calls it).
+
+        A cast is collective (it first merges pending edits, as :meth:`synchronize`
+        does): every rank casts. A call that changes nothing is local and free.
+
+        Note (why a device is only checked):
+            A sharded parameter lives where its comm backend gathers and reduces it
+            (``shard_module`` refuses any other device), so the one device a sharded
+            model can be "moved" to is the one it is on; any other is an error naming
+            both, not a silent copy the backend could not use.
+
+        Note (no cast once an optimizer exists):
+            A ``PartitionedOptimizer`` keeps an fp32 master of every parameter it steps
+            (for an fp32 parameter, the shard itself) and writes its results back in the
+            parameter's dtype, so that dtype is part of the optimizer's layout. Casting
+            after building one is refused: cast first (or set ``Zero3Config.param_dtype``).
+
+        Raises:
+            ValueError: ``device`` is not the comm backend's; the cast would change
+                parameters an optimizer steps; it comes in the middle of a step or a
+                gradient accumulation window, or inside a ``gathered_parameters`` block.
+            TypeError: ``dtype`` is not a floating-point dtype.
+        """
+        if device is not None:
+            self._check_device(torch.device(device))
+        if dtype is None:
+            return False
+        if not dtype.is_floating_point:
+            raise TypeError(
+                f"zero3: a sharded module casts to floating-point dtypes only, got {dtype}"
+            )
+        changing = [sp for sp in self.params if sp.dtype.is_floating_point and sp.dtype != dtype]
+        if not changing:
+            return False
+        stepped = [sp.name for sp in changing if sp.index in self._optimizer_of]
+        if stepped:
+            raise ValueError(
+                f"zero3: cannot cast {type(self.module).__name__} to {dtype}: a "
+                f"PartitionedOptimizer already keeps fp32 masters of {stepped[:3]} (and "
+                f"{max(0, len(stepped) - 3)} more) in their current dtype "
+                f"({changing[0].dtype}). Cast the model (model.to({dtype})) or set "
+                "Zero3Config.param_dtype before building the optimizer"
+            )
+        busy = self.step.busy
+        pinned = [sp.name for sp in changing if sp.pinned]
+        if busy or pinned:
+            where = (
+                f"inside a gathered_parameters block holding {pinned[:3]}"
+                if pinned
+                else "in the middle of a step or a gradient accumulation window"
+            )
+            raise ValueError(
+                f"zero3: cannot cast {type(self.module).__name__} to {dtype} {where}; "
+                "cast between steps, after the optimizer step (or zero_grad)"
+            )
+        self.synchronize()  # whole parameters' edits reach the shards before the cast
+        with torch.no_grad():
+            for sp in changing:
+                self._cast(sp, dtype)
+        self.reducer.replan(self.coordinator.leaf_of())  # buckets and gradient buffers by dtype
+        for trace in self.coordinator.traces.values():
+            trace.invalidate()
+        return True
+
+    def _check_device(self, device: torch.device) -> None:
+        here = self.params[0].shard.device if self.params else self.comm.device()
+        # Every CPU index names the same memory ("cpu:0" is what some launchers give).
+        if device.type == here.type and (
+            device.type == "cpu" or device.index in (None, here.index)
+        ):
+            return
+        raise ValueError(
+            f"zero3: cannot move the sharded {type(self.module).__name__} to {device}: its "
+            f"{self.comm.name!r} comm backend gathers and reduces {self.comm.device_type} "
+            f"tensors and the shards live on {here}. Move the model before shard_module, "
+            "with a backend for that device (Zero3Config.backend)"
+        )
+
+    def _cast(self, sp: ShardedParam, dtype: torch.dtype) -> None:
+        """Cast one parameter's shard and, where it has them, its whole data."""
+        param = sp.param
+        if sp.aliases_param:  # a world of one: the shard is the parameter's own data
+            param.data = param.data.to(dtype)
+            sp.shard = param.detach().reshape(-1)
+        elif whole(sp):
+            sp.shard = sp.shard.to(dtype)
+            param.data = param.data.to(dtype)
+        else:
+            sp.shard = sp.shard.to(dtype)
+            # The released parameter keeps its shape with no bytes: give it an empty
+            # storage of the new dtype (allocated, then freed, one parameter at a time).
+            sp.set_status(ParamStatus.AVAILABLE)  # its own class again, so .data may be set
+            param.data = torch.empty(sp.shape, dtype=dtype, device=param.device)
+            _params.free_full(param)
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+        sp.version = param._version
+
+
+def _duplicate(comm: CommBackend) -> CommBackend:
+    try:
+        return comm.duplicate()
+    except NotImplementedError:
+        _log.warning(
+            "zero3: %s cannot duplicate itself; gradient reductions share the parameter "
+            "backend and are deferred to the end of backward so both collective sequences "
+            "stay in the same order on every rank",
+            type(comm).__name__,
+        )
+        return comm
+
+
+def try_sharded_state(module: nn.Module) -> ShardedModelState | None:
+    """The state of a sharded root module, or None."""
+    return _STATES.get(module)
+
+
+def sharded_state(module: nn.Module) -> ShardedModelState:
+    """The state of a sharded root module.
+
+    Raises:
+        ValueError: ``module`` was not passed to ``zero3.hooks.shard_module``.
+    """
+    state = _STATES.get(module)
+    if state is None:
+        raise ValueError(
+            f"{type(module).__name__} is not a sharded module: pass the module returned by "
+            "zero3.hooks.shard_module(model, config)"
+        )
+    return state
+
+
+def state_of(param: torch.Tensor) -> ShardedModelState:
+    """The state of the model a sharded parameter belongs to."""
+    state = _PARAM_STATE.get(param)
+    if state is None:
+        raise ValueError(
+            f"the tensor of shape {tuple(param.shape)} is not a parameter of a sharded module"
+        )
+    return state  # type: ignore[no-any-return]

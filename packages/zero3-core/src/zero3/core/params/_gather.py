@@ -1,0 +1,234 @@
+"""Coalesced parameter gathers that carry a fingerprint of what each rank fetches.
+
+A fetch packs its parameters' shards into one byte buffer (so dtypes share the
+collective); the last 16 bytes of each rank's chunk say what the rank fetches (module,
+parameter set, size). After the gather every rank sees every rank's, so ranks that
+paired gathers for different modules fail together with no extra collective.
+docs/architecture.rst, "One coalesced, fingerprinted gather per fetch".
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import zlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from zero3.comm import CommBackend, Stream, Work
+from zero3.core.diag._guard import FingerprintMismatchError
+from zero3.core.params._params import ParamStatus, ShardedParam, fill_full, free_full
+from zero3.core.params._pool import BufferPool
+
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "GatherHandle",
+    "GatherLayout",
+    "verify_fingerprints",
+]
+
+FINGERPRINT_BYTES = 16
+_ALIGN = 16
+_MAGIC = 0x5A335A33  # "Z3Z3"
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherLayout:
+    """Byte layout of one rank's chunk for a set of parameters (cached per set)."""
+
+    params: tuple[ShardedParam, ...]
+    offsets: tuple[int, ...]
+    chunk_bytes: int
+    param_hash: int
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @classmethod
+    def build(cls, params: Sequence[ShardedParam]) -> GatherLayout:
+        """Lay out ``params`` (in the given order) in a chunk with a trailing fingerprint."""
+        offsets, cursor = [], 0
+        for sp in params:
+            offsets.append(cursor)
+            cursor = _align(cursor + sp.shard_numel * sp.shard.element_size())
+        indices = [sp.index for sp in params]
+        return cls(
+            params=tuple(params),
+            offsets=tuple(offsets),
+            chunk_bytes=cursor + FINGERPRINT_BYTES,
+            param_hash=zlib.crc32(array.array("q", indices).tobytes()) & 0x7FFFFFFF,
+        )
+
+    @property
+    def payload_bytes(self) -> int:
+        """Real parameter bytes the gather delivers."""
+        return sum(sp.numel * sp.shard.element_size() for sp in self.params)
+
+    def fingerprint(self, module_index: int) -> torch.Tensor:
+        """The 16 fingerprint bytes for a gather requested by ``module_index``."""
+        words = [_MAGIC, module_index, self.param_hash, self.chunk_bytes & 0x7FFFFFFF]
+        return torch.tensor(words, dtype=torch.int32).view(torch.uint8)
+
+    def fingerprint_on(self, module_index: int, device: torch.device) -> torch.Tensor:
+        """:meth:`fingerprint` on ``device``, made once per module (read-only): copying
+        it from the host at every gather would be a blocking copy on an accelerator.
+        """
+        key = (module_index, device)
+        cached = self._on_device.get(key)
+        if cached is None:
+            with torch.inference_mode(False):
+                cached = self.fingerprint(module_index).to(device)
+            self._on_device[key] = cached
+        return cached
+
+
+class GatherHandle:
+    """One coalesced gather in flight: issue on construction, :meth:`finish` to use it.
+
+    Args:
+        comm: The backend gathers go through.
+        layout: Which parameters, where in the chunk.
+        module_index: Index of the module the fetch is for (goes into the fingerprint).
+        describe: Maps a module index to its qualified name (for error messages).
+        stream: Stream to issue the gather on.
+        pool: Where the send and receive buffers come from and go back to.
+        kind: ``"gather"`` (on demand), ``"prefetch"`` (ahead of use) or ``"refresh"``
+            (after an optimizer step); labels the tracer's events.
+        step: The step it belongs to (for messages).
+        issued_us: When it was issued (tracer clock; 0 when not tracing).
+        verify: When the fingerprints are checked: ``"now"`` (on finish: one host
+            synchronisation per gather), ``"later"`` (kept in :attr:`prints` for one
+            batched check, :func:`verify_fingerprints`) or ``"headers"`` (not at all:
+            every rank announced this gather in an identical header beforehand).
+    """
+
+    def __init__(
+        self,
+        comm: CommBackend,
+        layout: GatherLayout,
+        module_index: int,
+        describe: Callable[[int], str],
+        stream: Stream | None,
+        pool: BufferPool,
+        *,
+        kind: str = "gather",
+        step: int = 0,
+        issued_us: float = 0.0,
+        verify: str = "now",
+    ) -> None:
+        self.layout = layout
+        self.module_index = module_index
+        self.kind = kind
+        self.step = step
+        self.issued_us = issued_us
+        self.verify = verify
+        #: The fingerprints as received (``verify="later"``), for :func:`verify_fingerprints`.
+        self.prints: torch.Tensor | None = None
+        self._describe = describe
+        self._world = comm.world_size
+        device = layout.params[0].shard.device
+        self._pool = pool
+        self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
+        # Pack straight into this rank's own chunk of the receive buffer and gather in
+        # place: no separate send buffer, one copy less.
+        send = self._recv.view(self._world, layout.chunk_bytes)[comm.rank]
+        for sp, offset in zip(layout.params, layout.offsets, strict=True):
+            nbytes = sp.shard_numel * sp.shard.element_size()
+            send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
+            sp.set_status(ParamStatus.INFLIGHT)
+        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
+        if stream is not None:
+            stream.wait_stream(comm.current_stream())  # the packing above ran there
+        self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
+
+    def received_prints(self) -> torch.Tensor:
+        """The fingerprint bytes of every rank's chunk as received (before finish)."""
+        assert self._recv is not None
+        return self._recv.view(self._world, self.layout.chunk_bytes)[:, -FINGERPRINT_BYTES:]
+
+    def is_completed(self) -> bool:
+        """True once the data has arrived (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
+    @property
+    def finished(self) -> bool:
+        """True once :meth:`finish` has run."""
+        return self._recv is None
+
+    def finish(self, stream: Stream | None = None) -> None:
+        """Wait for the data, check fingerprints, and fill the parameters' storages."""
+        if self._recv is None or self._work is None:
+            return
+        self._work.wait(stream)
+        recv = self._recv.view(self._world, self.layout.chunk_bytes)
+        if self.verify == "now":
+            verify_fingerprints([self], self._describe)
+        elif self.verify == "later":
+            self.prints = recv[:, -FINGERPRINT_BYTES:].clone()
+        for sp, offset in zip(self.layout.params, self.layout.offsets, strict=True):
+            sp.set_status(ParamStatus.AVAILABLE)  # first: it gives the parameter its class back
+            _copy_out(sp, recv, offset, self._pool)
+        # On devices the buffer goes back only after the consumer stream used it; on
+        # CPU the copies above have run, so it is free now.
+        self._pool.give(self._recv)
+        self._recv, self._work = None, None
+
+
+def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int], str]) -> None:
+    """Check the fingerprints of finished (or finishing) gathers with one host sync.
+
+    Raises:
+        FingerprintMismatchError: Some rank gathered something else; the parameters of
+            that gather are released (nothing half-gathered is left behind).
+    """
+    prints = [h.prints if h.prints is not None else h.received_prints() for h in handles]
+    if not prints:
+        return
+    got = torch.stack([p.contiguous().view(torch.int32) for p in prints]).cpu()
+    for handle, rows in zip(handles, got, strict=True):
+        mine = handle.layout.fingerprint(handle.module_index).view(torch.int32)
+        if bool((rows == mine).all()):
+            continue
+        lines = []
+        for rank, words in enumerate(rows.tolist()):
+            if words[0] != _MAGIC:
+                text = "issued a different collective or size (no zero3 fingerprint)"
+            else:
+                text = (
+                    f"module {describe(words[1])!r} (parameter set #{words[2]:08x}, "
+                    f"{words[3]} bytes per rank)"
+                )
+            lines.append(f"  rank {rank}: {text}")
+        for sp in handle.layout.params:  # leave nothing half-gathered behind
+            if sp.status is not ParamStatus.NOT_AVAILABLE:
+                free_full(sp.param)
+            sp.set_status(ParamStatus.NOT_AVAILABLE)
+        raise FingerprintMismatchError(
+            "zero3: ranks gathered different parameters in the same collective:\n"
+            + "\n".join(lines)
+            + "\nRanks ran different modules (data-dependent control flow, e.g. MoE "
+            "routing). Mark the module that routes as a leaf (zero3.hooks."
+            "set_leaf_modules(model, Cls) or Zero3Config(leaf_modules=(Cls,))) so its "
+            "whole subtree is gathered on every rank."
+        )
+
+
+def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int, pool: BufferPool) -> None:
+    """Copy every rank's shard of ``sp`` from the gathered bytes into its full storage."""
+    param, s, n = sp.param, sp.shard_numel, sp.numel
+    elem = sp.shard.element_size()
+    shards = recv[:, offset : offset + s * elem].view(param.dtype) if n else recv[:, :0]
+    rows, rem = divmod(n, s) if s else (0, 0)
+
+    def fill(flat: torch.Tensor) -> None:
+        if rows:
+            flat[: rows * s].view(rows, s).copy_(shards[:rows])
+        if rem:
+            flat[rows * s :].copy_(shards[rows, :rem])
+
+    fill_full(param, fill, pool)

@@ -1,0 +1,251 @@
+"""Sharded state dicts: each rank's flat slice described to torch.distributed.checkpoint.
+
+A rank's flat range of a parameter is the union of a few boxes (at most ``2*(ndim-1)+1``),
+each a plain view of its shard, so a parameter becomes a ``ShardedTensor`` in its natural
+shape under the unsharded model's key and DCP saves, reshards and merges it like any
+other. The ShardedTensors are built from metadata every rank computes alone (no
+collective per tensor), and nothing of the type reaches the files. Why boxes and not
+DTensor, and what happens if torch drops ShardedTensor: docs/checkpoints.rst, "Flat
+shards as boxes".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharded_tensor.shard import Shard
+
+from zero3.core.files._boxes import Box, flat_boxes, join_flat
+from zero3.core.model._state import ShardedModelState, sharded_state, state_of
+from zero3.core.params._params import ParamStatus, ShardedParam, lookup
+from zero3.core.state_dict._full import LoadResult, match_keys, state_dict_entries
+from zero3.core.state_dict._groups import global_ranks
+
+__all__ = [
+    "load_sharded_state_dict",
+    "local_flat",
+    "sharded_like",
+    "sharded_state_dict",
+]
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_boxes(shape: tuple[int, ...], world: int) -> tuple[tuple[Box, ...], ...]:
+    """Every rank's boxes of a parameter of ``shape`` sharded over ``world`` ranks."""
+    numel = math.prod(shape)
+    per_rank = -(-numel // world)
+    out = []
+    for rank in range(world):
+        start = min(rank * per_rank, numel)
+        out.append(tuple(flat_boxes(start, min(start + per_rank, numel), shape)))
+    return tuple(out)
+
+
+def _as_sharded_param(param: torch.Tensor | ShardedParam) -> ShardedParam:
+    if isinstance(param, ShardedParam):
+        return param
+    sp = lookup(param)
+    if sp is None:
+        raise ValueError(
+            f"the tensor of shape {tuple(param.shape)} is not a parameter of a sharded module"
+        )
+    return sp
+
+
+def sharded_like(param: torch.Tensor | ShardedParam, local: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out like ``param``'s shard, described to DCP in ``param``'s shape.
+
+    Args:
+        param: A sharded parameter (or its :class:`ShardedParam`).
+        local: This rank's elements of a tensor with ``param``'s shape, flat and
+            contiguous, ``sp.local_numel`` of them (any dtype): the real part of the
+            parameter's shard, of its fp32 master, or of a per-element optimizer state.
+
+    Returns:
+        A ``ShardedTensor`` whose local shards are views of ``local`` (no copy): one per
+        box of this rank's flat range. In a world of one, or for an empty parameter,
+        the plain tensor ``local.view(shape)`` instead (it is whole everywhere).
+    """
+    sp = _as_sharded_param(param)
+    shape = tuple(sp.shape)
+    if local.dim() != 1 or local.numel() != sp.local_numel:
+        raise ValueError(
+            f"sharded_like({sp.name!r}): expected this rank's {sp.local_numel} elements as a "
+            f"1-D tensor, got shape {tuple(local.shape)}"
+        )
+    if sp.world_size == 1 or sp.numel == 0:
+        return local.view(shape)
+    if not local.is_contiguous():
+        raise ValueError(f"sharded_like({sp.name!r}): the local elements must be contiguous")
+    ranks = global_ranks(state_of(sp.param))
+    device = str(local.device)
+    shards_md: list[ShardMetadata] = []
+    local_shards: list[Shard] = []
+    for rank, boxes in enumerate(_rank_boxes(shape, sp.world_size)):
+        placement = f"rank:{ranks[rank]}/{device}"
+        pos = 0
+        for offsets, sizes in boxes:
+            md = ShardMetadata(list(offsets), list(sizes), placement)
+            shards_md.append(md)
+            n = math.prod(sizes)
+            if rank == sp.rank:
+                local_shards.append(Shard(local[pos : pos + n].view(sizes), md))
+            pos += n
+    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False)
+    metadata = ShardedTensorMetadata(shards_md, torch.Size(shape), properties)
+    out: torch.Tensor = ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, metadata
+    )
+    return out
+
+
+def local_flat(value: Any, param: torch.Tensor | ShardedParam) -> torch.Tensor:
+    """This rank's flat elements of ``value``, the inverse of :func:`sharded_like`.
+
+    ``value`` is a ``ShardedTensor`` holding this rank's boxes of a tensor shaped like
+    ``param`` (a view of one flat buffer when it came from :func:`sharded_like`, and
+    then so is the result), or a whole tensor of that shape (its slice is taken).
+
+    Raises:
+        ValueError: The value has another shape, or its local shards are not this
+            rank's boxes (a state dict built for another world size).
+    """
+    sp = _as_sharded_param(param)
+    shape = tuple(sp.shape)
+    start, stop = sp.valid_range(sp.rank)
+    if isinstance(value, ShardedTensor):
+        size = tuple(value.metadata().size)
+        if size != shape:
+            raise ValueError(
+                f"{sp.name!r}: the sharded value has shape {size}, the parameter {shape}"
+            )
+        shards = value.local_shards()
+        boxes = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in shards]
+        if boxes != flat_boxes(start, stop, shape):
+            raise ValueError(
+                f"{sp.name!r}: the sharded value holds boxes {boxes} on rank {sp.rank}, not "
+                "this rank's slice of the parameter (a state dict built for another world "
+                "size: load it through torch.distributed.checkpoint, which reshards)"
+            )
+        return join_flat(s.tensor for s in shards)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{sp.name!r}: expected a tensor of shape {shape}, got {got}")
+    return value.reshape(-1)[start:stop]
+
+
+def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The model's state as objects torch.distributed.checkpoint saves and loads natively.
+
+    Keys are those of the unsharded model's ``state_dict()`` (tied parameters under
+    every name, non-persistent buffers left out). A partitioned parameter is a
+    ``ShardedTensor`` in its natural shape whose local shards are views of this rank's
+    shard (no copy); persistent parameters and buffers, whole on every rank, are plain
+    tensors (DCP keeps one copy of a key every rank saves). Not a collective.
+
+    Example::
+
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path)
+        sd = {"model": sharded_state_dict(model)}
+        dcp.load(sd, checkpoint_id=path)          # any world size: DCP reshards
+        load_sharded_state_dict(model, sd["model"])
+
+    Prefer ``zero3.optim.save_checkpoint``/``load_checkpoint``: atomic, checked, and
+    they carry the optimizer too.
+    """
+    sharded_state(module)  # a clear error for a module that is not sharded
+    out: dict[str, Any] = {}
+    made: dict[int, Any] = {}
+    for key, _, tensor in state_dict_entries(module):
+        if id(tensor) not in made:
+            made[id(tensor)] = _entry(tensor)
+        out[key] = made[id(tensor)]
+    return out
+
+
+def _entry(tensor: torch.Tensor) -> Any:
+    sp = lookup(tensor)
+    if sp is None or sp.persistent:
+        return tensor.detach()
+    return sharded_like(sp, sp.shard[: sp.local_numel])
+
+
+def load_sharded_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
+    *,
+    update_masters: bool = True,
+) -> LoadResult:
+    """Write a state dict from :func:`sharded_state_dict` (filled by DCP) into the model.
+
+    Values that DCP loaded in place (views of the shards) need no copy; others are
+    copied into this rank's shard. Whole values (persistent parameters, buffers, or
+    full tensors) are copied whole and their slice goes to the shard. Not a
+    collective. The fp32 masters of an existing ``PartitionedOptimizer`` follow the
+    loaded values, unless ``update_masters`` is False: for a caller that loads the
+    optimizer's saved masters as well (``zero3.optim.load_checkpoint`` does), whose
+    fp32 values must not be replaced by the rounded parameter values.
+
+    Raises:
+        ValueError: With ``strict``, missing or unexpected keys; always, a value of
+            another shape or another rank's boxes, or a partitioned parameter that is
+            gathered right now (inside ``gathered_parameters``: load outside it).
+    """
+    state = sharded_state(module)
+    expected, result = match_keys(module, state_dict, strict, "load_sharded_state_dict", ValueError)
+    with torch.no_grad():
+        for key, target in expected.items():
+            if key in state_dict:
+                _load_entry(state, key, target, state_dict[key], update_masters)
+    return result
+
+
+def _load_entry(
+    state: ShardedModelState, key: str, target: torch.Tensor, value: Any, masters: bool
+) -> None:
+    sp = lookup(target)
+    if sp is None:
+        if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"load_sharded_state_dict: {key!r} is {got} in the state dict but "
+                f"{tuple(target.shape)} in the model"
+            )
+        if value.data_ptr() != target.data_ptr():
+            target.copy_(value)
+        return
+    whole = sp.persistent or sp.aliases_param
+    if sp.status is ParamStatus.AVAILABLE and not whole:
+        raise ValueError(
+            f"load_sharded_state_dict: parameter {key!r} is gathered right now (inside "
+            "zero3.core.gathered_parameters): its whole copy would go stale. Load outside the "
+            "block."
+        )
+    if whole and isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor):
+        if tuple(value.shape) != tuple(sp.shape):
+            raise ValueError(
+                f"load_sharded_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
+                f"dict but {tuple(sp.shape)} in the model"
+            )
+        flat = value.detach().reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
+        state.write_full(sp, flat, masters=masters)
+        return
+    if whole:
+        raise ValueError(
+            f"load_sharded_state_dict: parameter {key!r} is whole on every rank (persistent), "
+            "but the state dict holds a sharded value for it"
+        )
+    local = local_flat(value, sp)
+    if local.numel():
+        sp.write_local(local, masters=masters)  # shard (unless loaded in place), master

@@ -1,0 +1,96 @@
+"""ShardedModule: the mixin zero3 adds to the class of a sharded module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero3.core.engine import try_sharded_state
+
+__all__ = ["ShardedModule"]
+
+
+class ShardedModule:
+    """Mixin zero3 adds to a sharded module's class (FSDP2 swaps classes the same way).
+
+    The sharded module keeps its class name and behaviour; ``isinstance(model,
+    ShardedModule)`` tells it is sharded. The mixin makes ``model.zero_grad()`` end
+    the gradient accumulation window (trainers such as the HF Trainer call the
+    module's ``zero_grad``, not the optimizer's).
+
+    Note (why the class changes):
+        zero3 owns the gradients (``param.grad`` is None on a sharded model), so the
+        window must end when the user clears gradients, and torch has no hook on
+        ``nn.Module.zero_grad``; trainers (the HF Trainer) call the module's. Without the
+        mixin the gradients of a backward thrown away would be added to the next
+        window's (docs/facts.rst, "Tricks on user objects, measured"). FSDP2 swaps the
+        class the same way (``FSDPModule``).
+    """
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients and end zero3's gradient accumulation window."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        state = try_sharded_state(self)  # type: ignore[arg-type]
+        if state is not None:
+            state.step.end_window()
+
+    def to(self, *args: Any, **kwargs: Any) -> ShardedModule:
+        """``nn.Module.to`` for a sharded module: casts the parameter shards to a
+        floating-point dtype (before an optimizer is built), checks the device, and
+        moves or casts buffers as ``nn.Module.to`` does.
+
+        The shards already live on the device the comm backend serves, so ``.to()`` of
+        that device changes nothing (trainers call it); another device is an error
+        naming both. A cast is collective (every rank casts); after a
+        ``PartitionedOptimizer`` exists the parameters' dtype is fixed (its fp32
+        masters follow it) and a cast is an error saying to cast first. See
+        :meth:`zero3.core.engine.ShardedModelState.convert`.
+        """
+        state = try_sharded_state(self)  # type: ignore[arg-type]
+        if state is None:  # unsharded while this class was still in place
+            return super().to(*args, **kwargs)  # type: ignore[misc, no-any-return]
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is not None:
+            raise ValueError(
+                "zero3: .to(memory_format=...) is not supported on a sharded module; set "
+                "the memory format before shard_module"
+            )
+        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(
+                f"nn.Module.to only accepts floating point or complex dtypes, but got desired "
+                f"dtype={dtype}"
+            )
+        state.convert(device, dtype)
+        for module in self.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    cast = dtype if dtype is not None and buf.is_floating_point() else None
+                    module._buffers[key] = buf.to(device, cast, non_blocking)
+        return self
+
+    def cpu(self) -> ShardedModule:
+        """``.to("cpu")`` (see :meth:`to`)."""
+        return self.to("cpu")
+
+    def cuda(self, device: int | torch.device | None = None) -> ShardedModule:
+        """``.to("cuda")`` (see :meth:`to`)."""
+        if device is None:
+            return self.to("cuda")
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device)
+
+    def float(self) -> ShardedModule:
+        """``.to(torch.float32)`` (see :meth:`to`)."""
+        return self.to(torch.float32)
+
+    def half(self) -> ShardedModule:
+        """``.to(torch.float16)`` (see :meth:`to`)."""
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> ShardedModule:
+        """``.to(torch.bfloat16)`` (see :meth:`to`)."""
+        return self.to(torch.bfloat16)
+
+    def double(self) -> ShardedModule:
+        """``.to(torch.float64)`` (see :meth:`to`)."""
+        return self.to(torch.float64)
