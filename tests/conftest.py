@@ -3,7 +3,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -17,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @functools.cache
 def _train_tool() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "tools"))  # its _train helpers, as when run as a script
+    # tools/train.py is a script, not a module of a package: load it from its file (its
+    # helpers, the _train package, are installed with zero3-tools).
     spec = importlib.util.spec_from_file_location("zero3_train_tool", ROOT / "tools" / "train.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

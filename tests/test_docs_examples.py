@@ -1,4 +1,4 @@
-"""The documentation's code runs: every docs/examples/*.py, launched as the docs say.
+"""The documentation's code runs: every examples/*.py, launched as the docs say.
 
 The pages include these scripts with ``literalinclude``, so a snippet that stops working
 fails here. Each example runs in a fresh process group (torchrun with 2 local ranks,
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-EXAMPLES = DOCS / "examples"
+EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 180
 
@@ -100,7 +100,6 @@ CASES = [
             "with TopOneMoE as a leaf: trained",
         ],
     ),
-    ("lion.py", PYTHON, []),  # a class optimizers.py imports; running it only defines it
     (
         "big_models.py",
         TORCHRUN,
@@ -181,10 +180,24 @@ def test_example_runs(example: str, launcher: list[str], expected: list[str], tm
     assert "Traceback" not in err, err
 
 
+#: Examples another test runs, with its own checks (each names the example's path).
+RUN_ELSEWHERE = {"hf_train.py": ROOT / "tests" / "test_hf_trainer.py"}
+#: Examples that only define what another example imports (and so runs).
+IMPORTED_BY = {"lion.py": "optimizers.py"}
+
+
 def test_every_example_is_run_and_shown():
-    """Each example has a case above and is included by a page (no orphans either way)."""
+    """Each example has a case above (or a test of its own) and is included by a page (no
+    orphans either way)."""
     examples = {p.name for p in EXAMPLES.glob("*.py")}
-    assert examples == {example for example, _, _ in CASES}
+    cases = {example for example, _, _ in CASES}
+    assert examples == cases | set(RUN_ELSEWHERE) | set(IMPORTED_BY)
+    for example, test in RUN_ELSEWHERE.items():
+        assert f'"examples" / "{example}"' in test.read_text(), (example, test)
+    for example, importer in IMPORTED_BY.items():
+        assert importer in cases, importer
+        module = example.removesuffix(".py")
+        assert f"from {module} import" in (EXAMPLES / importer).read_text(), (example, importer)
     included = set()
     for page in DOCS.rglob("*.rst"):
         included.update(

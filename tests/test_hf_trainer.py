@@ -374,7 +374,7 @@ def _tool(out: Path, *flags: str) -> tuple[str, list[float]]:
     tiny = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch",
             "2", "--accumulation", "1", "--eval-samples", "8", "--output", str(out)]  # fmt: skip
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tools" / "hf_train.py"), *tiny, *flags]  # fmt: skip
+           str(ROOT / "examples" / "hf_train.py"), *tiny, *flags]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

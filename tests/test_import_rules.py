@@ -90,9 +90,27 @@ def _installed() -> dict[str, list[str]]:
     return importlib.metadata.packages_distributions()
 
 
+@functools.cache
+def _workspace_tops() -> dict[str, str]:
+    """The top-level packages of the workspace's distributions outside the ``zero3``
+    namespace (tools/, tests/plugin/), by their pyproject: editable installs record no
+    package files, so ``packages_distributions`` cannot name them."""
+    tops = {}
+    for pyproject in [
+        ROOT / "tools" / "pyproject.toml",
+        *ROOT.glob("tests/plugin/*/pyproject.toml"),
+    ]:
+        config = tomllib.loads(pyproject.read_text())
+        for package in config["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
+            tops[Path(package).name] = _normalize(config["project"]["name"])
+    return tops
+
+
 def _distributions(top: str) -> set[str]:
     if top in NOT_INSTALLED:
         return {NOT_INSTALLED[top]}
+    if top in _workspace_tops():
+        return {_workspace_tops()[top]}
     return {_normalize(d) for d in _installed().get(top, [])}
 
 
@@ -127,3 +145,4 @@ def test_the_rules_catch_what_they_are_for(tmp_path: Path) -> None:
     comm = next(p for p in PACKAGES if p.name == "zero3-comm")
     assert "transformers" not in _declared(comm)
     assert _distributions("transformers") == {"transformers"}
+    assert _distributions("_train") == {"zero3-tools"}

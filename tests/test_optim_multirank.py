@@ -31,8 +31,8 @@ STEPS = 5
 
 
 def _load_lion() -> type[torch.optim.Optimizer]:
-    """The docs' third-party optimizer (docs/examples/lion.py), shipped to workers by value."""
-    path = Path(__file__).resolve().parents[1] / "docs" / "examples" / "lion.py"
+    """The docs' third-party optimizer (examples/lion.py), shipped to workers by value."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "lion.py"
     spec = importlib.util.spec_from_file_location("zero3_docs_lion", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -51,18 +51,35 @@ def _check_outputs(result: subprocess.CompletedProcess[str], tmp_path: Path, wor
 
 
 OUTPUTS = ["--trace", "trace.json", "--plot", "loss.png"]
+Run = tuple[subprocess.CompletedProcess[str], Path]
 
 
-def test_self_launched(tmp_path):
-    result = _run([sys.executable, str(TRAIN), "--nproc", "2", *TINY, *OUTPUTS], tmp_path)
+# Each launch costs seconds of interpreter starts: a run that several tests check is
+# launched once per module (its output directory with it).
+@pytest.fixture(scope="module")
+def self_launched(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """``train.py --nproc 2`` (eager initialisation, seed 0)."""
+    cwd = tmp_path_factory.mktemp("self_launched")
+    return _run([sys.executable, str(TRAIN), "--nproc", "2", *TINY, *OUTPUTS], cwd), cwd
+
+
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """``torchrun ... train.py --init empty``: built under empty_init, never whole."""
+    cwd = tmp_path_factory.mktemp("under_torchrun")
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(TRAIN), *TINY,
+           *OUTPUTS, "--init", "empty"]  # fmt: skip
+    return _run(cmd, cwd), cwd
+
+
+def test_self_launched(self_launched):
+    result, cwd = self_launched
     assert "launching 2 local ranks" in result.stdout
-    _check_outputs(result, tmp_path, 2)
+    _check_outputs(result, cwd, 2)
 
 
-def test_under_torchrun(tmp_path):
-    torchrun = BIN / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(TRAIN), *TINY, *OUTPUTS]
-    _check_outputs(_run(cmd, tmp_path), tmp_path, 2)
+def test_under_torchrun(under_torchrun):
+    _check_outputs(*under_torchrun, 2)
 
 
 @pytest.mark.skipif(
@@ -169,7 +186,6 @@ def test_save_and_resume_continue_the_loss_curve(tmp_path):
 
 
 def test_default_model_really_shards():
-    sys.path.insert(0, str(ROOT / "tools"))
     from _train.data import CharCorpus
     from _train.model import GPT, GPTConfig
     from _train.settings import parser, settings_from
@@ -182,7 +198,6 @@ def test_default_model_really_shards():
 
 
 def test_help_gives_every_flag_a_text_and_its_real_default():
-    sys.path.insert(0, str(ROOT / "tools"))
     from _train.settings import _HelpFormatter, parser
 
     p = parser()
@@ -200,28 +215,28 @@ def _first_loss(out: str) -> str:
     return next(line.split()[3] for line in out.splitlines() if line.startswith("step 1/"))
 
 
-def test_init_empty_and_from_weights(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
+def test_init_empty_and_from_weights(tmp_path, self_launched, under_torchrun):
     import torch
     from _train.data import CharCorpus
     from _train.model import GPT, GPTConfig
     from safetensors.torch import save_model
 
-    torch.manual_seed(5)
+    # The weights of the self-launched run (seed 0's eager initialisation, TINY's shape).
+    torch.manual_seed(0)
     model = GPT(GPTConfig(CharCorpus().vocab_size, 1, 64, 4, 32))
     (tmp_path / "weights").mkdir()
     save_model(model, str(tmp_path / "weights" / "model.safetensors"))
-    common = [sys.executable, str(TRAIN), "--nproc", "2", *TINY, "--samples", "0", "--seed", "5"]
+    common = [sys.executable, str(TRAIN), "--nproc", "2", *TINY, "--samples", "0"]
     runs = {
-        "eager": _run([*common, "--steps", "1"], tmp_path),
+        "eager": self_launched[0],
         "from": _run([*common, "--steps", "1", "--from", "weights"], tmp_path),
-        "empty": _run([*common, "--steps", "1", "--init", "empty"], tmp_path),
+        "empty": under_torchrun[0],
     }
     for name, result in runs.items():
         assert result.returncode == 0, (name, result.stdout + result.stderr)
         assert "zero3 summary: world 2" in result.stdout
         assert "theory: model state per rank" in result.stdout
-    # The same weights (the file holds seed 5's eager initialisation): the same first loss.
+    # The same weights (the file holds seed 0's eager initialisation): the same first loss.
     assert _first_loss(runs["from"].stdout) == _first_loss(runs["eager"].stdout)
     # The summary's columns line up: every table row splits at the same offsets.
     table = [

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train.settings import lr_lambda, parser, settings_from
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tools" / "train.py"
@@ -21,9 +22,6 @@ TINY = [
     "--steps", "3", "--layers", "1", "--d-model", "64", "--heads", "4", "--seq-len", "32",
     "--batch", "2", "--param-persistence-threshold", "0", "--samples", "0", "--no-progress",
 ]  # fmt: skip
-
-sys.path.insert(0, str(ROOT / "tools"))
-from _train.settings import lr_lambda, parser, settings_from  # noqa: E402
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:

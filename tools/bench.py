@@ -26,10 +26,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import memory
 from _bench.workload import Workload

@@ -25,15 +25,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench.workload import GPT, Workload
+from _bench.workload import Workload, gpt_config
 from _train.launch import free_port, rank_env
+from _train.model import GPT, gpt_forward
 
 MODELS = ["bench-gpt", "gpt2", "llama"]
 
@@ -41,11 +38,8 @@ MODELS = ["bench-gpt", "gpt2", "llama"]
 class LogitsGPT(GPT):
     """The benchmark GPT returning next-token logits (generation needs no targets)."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x[:, -1:]))[:, -1]
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return gpt_forward(self, idx, last_position=True)
 
 
 def _greedy(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -63,7 +57,7 @@ def _build(name: str) -> torch.nn.Module:
     """
     torch.manual_seed(0)
     if name == "bench-gpt":
-        return LogitsGPT(Workload())
+        return LogitsGPT(gpt_config(Workload()))
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from zero3.testing.hf_models import VOCAB

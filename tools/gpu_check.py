@@ -27,7 +27,8 @@ import time
 from typing import Any
 
 import torch
-from _bench.workload import GPT  # the benchmark's model (tools/ is this script's path)
+from _bench.workload import gpt  # the benchmark's model (zero3-tools, installed by gpu_check.sh)
+from _train.model import GPT
 from torch import nn
 
 RESULT = "GPU_CHECK_RESULT "
@@ -49,7 +50,7 @@ class Shape:
 def build(shape: Shape, device: torch.device) -> GPT:
     """The model, identical in every process (seeded, built on CPU, then moved)."""
     torch.manual_seed(0)
-    return GPT(shape).to(device)
+    return gpt(shape).to(device)
 
 
 def batch(shape: Shape, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.job == "worker":
         print(RESULT + json.dumps(run_system(args.system, args)), flush=True)
         sys.stdout.flush()
-        os._exit(0)  # skip teardown of the process group threads (see tools/_train/launch.py)
+        os._exit(0)  # skip teardown of the process group threads (:ref:`fact-gloo-teardown`)
     if args.job == "parity":
         result = parity(args)
         problems = check_parity(result)

@@ -8,8 +8,9 @@
 #
 # What the machine must have: a Python (${PYTHON:-python3}) with a CUDA build of torch,
 # pluggy and pytest installed. Nothing is downloaded (such machines have no network):
-# zero3 comes from this checkout, installed with
-#     pip install --no-deps --no-build-isolation --no-index -e packages/zero3-{comm,core,hooks,optim}
+# zero3 comes from this checkout (with tools/, whose _train package holds the benchmark's
+# model), installed with
+#     pip install --no-deps --no-build-isolation --no-index -e packages/zero3-{comm,core,hooks,optim} -e tools
 # into a venv made with --system-site-packages (so it uses the machine's CUDA torch), when
 # hatchling (the packages' build backend) is installed; otherwise the same sources are put
 # on PYTHONPATH. cupy (for cupy-nccl) is used if installed, and skipped, saying so, if not.
@@ -108,7 +109,7 @@ if [ -n "$missing" ]; then
 fi
 
 # -- install zero3 from this checkout, offline ---------------------------------------------
-PACKAGES=(packages/zero3-comm packages/zero3-core packages/zero3-hooks packages/zero3-optim)
+PACKAGES=(packages/zero3-comm packages/zero3-core packages/zero3-hooks packages/zero3-optim tools)
 use_sources() {
     local src=""
     for p in "${PACKAGES[@]}"; do src="$src${src:+:}$PWD/$p/src"; done

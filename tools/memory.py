@@ -4,6 +4,7 @@
     .venv/bin/python tools/memory.py load --worlds 2,4   # a >= 1.5 GB fp32 checkpoint
     .venv/bin/python tools/memory.py table               # training, world 1/2/4 vs theory
     .venv/bin/python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
+    .venv/bin/python tools/memory.py checkpoint          # save, async save, load, consolidate
 
 Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
 ``VmHWM``: ``ru_maxrss`` without the peak of the parent image before ``exec``) over a baseline
@@ -23,9 +24,14 @@ The bounds are checked with glibc's mmap threshold pinned (``MALLOC_MMAP_THRESHO
 raises the threshold to the size of every large block freed (up to 32 MiB), after which
 the forward's activations of a few MiB come from the heap, whose holes are not handed
 back, and the resident set creeps up layer by layer (measured on the benchmark GPT: 1 to 5
-MiB per block, 26 MiB more after one forward; docs/facts.rst). The creep is the
+MiB per block, 26 MiB more after one forward; :ref:`fact-mmap-threshold`). The creep is the
 allocator's, not zero3's, and eager PyTorch pays it too; the zero3 path is also run with
 glibc's default and printed beside (not checked), so both are on record.
+
+``checkpoint`` measures each checkpoint operation on a 256 MiB fp32 model of 16 equal
+tensors at world 2 (``--ckpt-mib``, ``--ckpt-layers``, ``--worlds``): after one AdamW step,
+from a baseline taken just before the operation, against the rank's saved state (its
+weight shards and two Adam moments) and the largest tensor (docs/checkpoints.rst).
 
 The eager path (every rank builds the model whole, loads the weights, then shards it) is
 run beside each for comparison; it is skipped when the machine's available memory could
@@ -44,8 +50,6 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench.workload import Workload
 from _train.launch import free_port, rank_env
@@ -152,15 +156,84 @@ def _cap_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "cap": cap, "data": data, "peak": peak_rss_bytes(), **outcome}
 
 
+def _consolidate_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Consolidation's peak RSS growth: one process, no process group (as
+    ``zero3-consolidate`` runs)."""
+    import time
+
+    from zero3.optim import consolidate_checkpoint
+
+    base = rss_baseline()
+    start = time.perf_counter()
+    consolidate_checkpoint(spec["dir"], spec["dir"] + "-hf")
+    return {"rank": 0, "growth": peak_rss_bytes() - base, "seconds": time.perf_counter() - start}
+
+
+def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank's peak RSS growth in a checkpoint operation (``spec["phase"]``).
+
+    The rank builds a stack of equal bias-free linears, shards it and takes one AdamW
+    step (so the optimizer state exists; not for ``load-fresh``), then measures the
+    operation from a baseline taken just before it.
+    """
+    import time
+
+    import torch
+    from torch import nn
+
+    from zero3.comm import create_backend
+    from zero3.core import Zero3Config
+    from zero3.hooks import shard_module
+    from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
+
+    phase, path = spec["phase"], spec["dir"]
+    torch.set_num_threads(1)
+    comm = create_backend("gloo", timeout_s=600)
+    dim = int((spec["mib"] * MiB / 4 / spec["layers"]) ** 0.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(spec["layers"])))
+    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    if phase != "load-fresh":
+        model(torch.randn(4, dim)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    comm.barrier().wait()
+    base = rss_baseline()
+    start = time.perf_counter()
+    returned = 0.0
+    if phase == "save":
+        save_checkpoint(path, model, opt)
+    elif phase == "async":
+        future = save_checkpoint(path + "-async", model, opt, async_save=True)
+        returned = time.perf_counter() - start
+        assert future is not None
+        future.result()
+    else:
+        load_checkpoint(path, model, opt)
+    seconds = time.perf_counter() - start
+    comm.barrier().wait()
+    return {"rank": comm.rank, "growth": peak_rss_bytes() - base, "seconds": seconds,
+            "returned": returned}  # fmt: skip
+
+
+_WORKERS = {
+    "bounds": _bounds_worker,
+    "cap": _cap_worker,
+    "checkpoint": _checkpoint_worker,
+    "consolidate": _consolidate_worker,
+}
+
+
 def worker_main(kind: str, spec: dict[str, Any]) -> None:
     """One rank: run, print the result line, leave without interpreter teardown."""
     try:
-        result = _cap_worker(spec) if kind == "cap" else _bounds_worker(spec)
+        result = _WORKERS[kind](spec)
     except Exception as exc:  # reported, not raised: the parent prints it
         result = {"rank": int(os.environ.get("RANK", "0")), "crash": f"{type(exc).__name__}: {exc}"}
     print(RESULT + json.dumps(result), flush=True)
     sys.stderr.flush()
-    os._exit(0)  # see tools/_train/launch.py, leave_rank's Note (gloo teardown)
+    os._exit(0)  # a finished gloo rank can abort at exit (:ref:`fact-gloo-teardown`)
 
 
 def launch(
@@ -368,12 +441,53 @@ def cap(layers: int, allowance: int, timeout: float) -> bool:
     return expected
 
 
+#: The checkpoint operations `checkpoint` measures (save runs first: the others read it).
+PHASES = ("save", "async", "load", "load-fresh", "consolidate")
+
+
+def checkpoint(mib: int, layers: int, world: int, phases: list[str], timeout: float) -> bool:
+    """Peak RSS growth of each checkpoint operation, per rank, against the rank's state."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="zero3-memory-checkpoint-")
+    rows = []
+    try:
+        spec = {"dir": str(Path(root) / "ckpt"), "mib": mib, "layers": layers}
+        for phase in ["save", *(p for p in phases if p != "save")]:
+            kind, n = ("consolidate", 1) if phase == "consolidate" else ("checkpoint", world)
+            rows += [
+                {"phase": phase, **r} for r in launch(kind, n, {**spec, "phase": phase}, timeout)
+            ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    largest, state = mib / layers, 3 * mib / world  # this rank's weights + Adam's two moments
+    print(f"model {mib} MiB fp32 in {layers} tensors of {largest:.1f} MiB, {world} ranks: "
+          f"each rank saves {state:.0f} MiB (its weight shards and two Adam moments)")  # fmt: skip
+    print()
+    print("| operation | rank | growth (MiB) | / rank's state | / largest tensor | s |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        if "crash" in row:
+            print(f"| {row['phase']} | {row['rank']} | FAILED: {row['crash']} | | | |")
+            continue
+        grown = row["growth"] / MiB
+        note = f" (returned after {row['returned']:.2f} s)" if row.get("returned") else ""
+        print(f"| {row['phase']} | {row['rank']} | {grown:.1f} | {grown / state:.2f} "
+              f"| {grown / largest:.2f} | {row['seconds']:.2f}{note} |")  # fmt: skip
+    return not any("crash" in row for row in rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("what", nargs="?", choices=["build", "load", "table", "cap"], default="build")
-    p.add_argument("--worlds", default=None, help="comma-separated world sizes")
+    p.add_argument(
+        "what", nargs="?", choices=["build", "load", "table", "cap", "checkpoint"], default="build"
+    )
+    p.add_argument(
+        "--worlds", default=None, help="comma-separated world sizes (`checkpoint`: the first)"
+    )
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/zero3-memory/gpt-2048x8"),
                    help="where `load` writes (once) and reads its checkpoint")  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="training steps for `table`")
@@ -387,6 +501,15 @@ def main() -> int:
         help="glibc's mmap threshold for `build`/`load` ranks: pinned at 128 KiB (bounds "
         "checked so, the zero3 path also shown with glibc's default) or glibc's default",
     )  # fmt: skip
+    p.add_argument(
+        "--ckpt-mib", type=int, default=256, help="model size (fp32 MiB) for `checkpoint`"
+    )
+    p.add_argument("--ckpt-layers", type=int, default=16, help="equal layers for `checkpoint`")
+    p.add_argument(
+        "--ckpt-phases",
+        default=",".join(PHASES),
+        help="comma-separated operations for `checkpoint`",
+    )
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -404,8 +527,15 @@ def main() -> int:
     elif args.what == "table":
         systems = args.systems.split(",")
         ok = table(worlds or [1, 2, 4], systems, args.steps, args.timeout)
-    else:
+    elif args.what == "cap":
         ok = cap(args.cap_layers, args.cap_mib * MiB, args.timeout)
+    else:
+        phases = args.ckpt_phases.split(",")
+        unknown = sorted(set(phases) - set(PHASES))
+        if unknown:
+            p.error(f"--ckpt-phases: unknown {unknown}; choose from {list(PHASES)}")
+        world = (worlds or [2])[0]
+        ok = checkpoint(args.ckpt_mib, args.ckpt_layers, world, phases, args.timeout)
     return 0 if ok else 1
 
 

@@ -22,9 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from _train import launch, report
 from _train.data import CharCorpus
 from _train.model import GPT, GPTConfig, sample

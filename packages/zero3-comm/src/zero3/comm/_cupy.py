@@ -2,8 +2,8 @@
 
 Note:
     cupy is imported lazily, never when ``zero3.comm`` is imported: it is a large
-    optional dependency, and without a GPU it imports but cannot allocate (see
-    "Optional accelerator libraries" in docs/facts.rst).
+    optional dependency, and without a GPU it imports but cannot allocate
+    (:ref:`fact-accelerator-libraries`).
 """
 
 from __future__ import annotations

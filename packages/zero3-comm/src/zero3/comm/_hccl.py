@@ -28,8 +28,8 @@ def import_torch_npu() -> ModuleType:
         ``importlib.util.find_spec("torch_npu")`` is truthy even when the import fails
         (without CANN, loading ``libhccl.so`` raises), so availability is decided by
         actually importing it, and never at module import time (an installed torch_npu
-        without CANN breaks ``import torch`` unless autoloading is off: see "Optional
-        accelerator libraries" in docs/facts.rst).
+        without CANN breaks ``import torch`` unless autoloading is off:
+        :ref:`fact-accelerator-libraries`).
     """
     try:
         return importlib.import_module("torch_npu")

@@ -151,7 +151,7 @@ def _bf16_op(mpi: Any, op: ReduceOp) -> Any:
     Note:
         The built-in ``MPI.SUM`` on the uint16 view adds the bit patterns (garbage), and
         bf16 has no MPI datatype: passing bf16 bytes as-is is an error under MPICH and
-        NaN under Open MPI (docs/facts.rst). The op reads the buffers as bf16 through
+        NaN under Open MPI (:ref:`fact-mpi-bf16`). The op reads the buffers as bf16 through
         torch, whose bf16 arithmetic computes in fp32 and rounds to nearest-even: each
         pairwise step rounds exactly as gloo's bf16 reduction does, so results match
         gloo bit for bit wherever gloo's result is exact (and differ only by summation
@@ -419,16 +419,12 @@ class MPIBackend(CommBackend):
             have requests advance only while the caller waits or polls.
 
     Note:
-        MPI libraries make no progress on outstanding non-blocking collectives unless
-        something calls into MPI: without help an ``Iallgather`` does most of its work
-        inside ``Wait()`` (``test_progress_needs_the_thread`` in
-        ``tests/mpi/test_mpi_backend.py`` shows it). A daemon thread, started with the
-        first collective, therefore polls the outstanding requests while the caller
-        computes. Calling MPI from a second thread needs ``MPI_THREAD_MULTIPLE``
-        (mpi4py's default request); when the library provides less, the backend runs
-        without the thread, polls only from the calling thread, and reports
-        ``capabilities.async_host = False``. All MPI calls of one backend are serialized
-        by one lock, so at most one thread completes a given request.
+        MPI makes no progress on outstanding non-blocking collectives unless something
+        calls into it (:ref:`fact-mpi-progress`): a daemon thread, started with the first
+        collective, polls the outstanding requests while the caller computes. Calling MPI
+        from a second thread needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default request);
+        with less, the backend runs without the thread and reports
+        ``capabilities.async_host = False``. One lock serializes a backend's MPI calls.
     """
 
     name = "mpi"

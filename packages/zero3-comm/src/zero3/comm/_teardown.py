@@ -2,73 +2,15 @@
 and earlier, when the program asks (:func:`release_groups`).
 
 Note:
-    Why a finished gloo job could end in SIGABRT. gloo runs every collective on a worker
-    thread of its process group; once the collective has finished, the waiter is
-    released first, and only then does the worker thread drop its reference to the work
-    object, which holds the collective's tensors. In torch 2.13 dropping a reference to
-    a tensor that has a Python object takes the GIL. A thread that asks for the GIL
-    after the interpreter has started to finalize is ended with ``pthread_exit``, whose
-    unwinding through the work's ``noexcept`` destructor calls ``std::terminate``:
-    "terminate called without an active exception", exit -6, and torchrun reports a
-    finished job as failed (seen with gdb: ``runLoop`` -> ``~AsyncWork`` ->
-    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). It happens
-    whenever a worker thread still has a work in hand at finalization: a collective
-    issued and never waited for, or one whose waiter ran to the end of the script within
-    the few microseconds the worker needs to let go.
-
-    The cure is to end the worker threads before finalization. A process group's C++
-    destructor waits for its queue to drain and joins its workers (it releases the GIL
-    while it waits, so a worker can still drop its tensors), and it runs when the group
-    has been destroyed and the last Python reference to it is gone. So at exit, from an
-    ``atexit`` handler (atexit handlers run before finalization starts), zero3:
-
-    1. waits, boundedly, for the collectives its backends issued and nobody waited for;
-    2. destroys the groups it created (its duplicates, and the default group when a zero3
-       backend initialized it), newest first;
-    3. closes its backends, which drops their references to every group, so that a
-       destroyed group's destructor runs now, not during finalization.
-
-    Groups the user created are left alone: an ``atexit`` handler the user registered
-    before importing zero3 runs after this one and may still use them, and destroying
-    them is the owner's call. zero3 only drops its own references, so a group the user
-    destroyed really goes away then (otherwise zero3's backends would keep it alive into
-    finalization). Plain torch.distributed code should call ``destroy_process_group()``
-    when it is done, for the same reason.
-
-    Never a hang: a collective still running when the wait ends (a peer that never
-    issued it) leaves its group, and the default group above it, undestroyed and
-    referenced, exactly as without this handler, because the destructor would otherwise
-    block until the transport's timeout. After an uncaught exception (``sys.last_value``
-    is set) there is no wait at all: the ranks are out of step and a failing run should
-    end at once.
-
-    Why a program may want the same before it ends, and what differs then. Every live
-    gloo group keeps a transport thread and two worker threads; the transport thread
-    wakes up even when idle (measured: a process holding 43 idle groups spent about 7%
-    of a core in them). A process that builds and drops many models (a test runner
-    reusing its ranks from case to case) accumulates zero3's duplicates and host
-    channels and pays for them until exit. :func:`release_groups` runs the steps above
-    on the groups zero3 created, with three differences, all because the program goes
-    on:
-
-    * The default group stays, even one a zero3 backend initialized (destroying it
-      destroys every group, the user's included), and so do the backends on it or on
-      groups zero3 did not create.
-    * A group torch named after its ranks (a duplicate of a subgroup, created with
-      ``use_local_synchronization``) stays, and so does every zero3 group older than
-      it. torch derives such a name from the ranks and the number of live groups, and
-      a re-created group of that name would read the old one's rendezvous keys from the
-      store (see ``TorchDistBackend.duplicate``); while the group and every group older
-      than it live, the count never comes back to its value, so its name never recurs.
-    * A backend on a group that had a collective still running after the wait stays
-      open, so that a later call can wait for it again. The others on zero3's groups
-      are closed, also those on groups left for their names: after the call no backend
-      on a zero3 group works on any rank, whichever groups that rank could destroy.
-
-    A backend on a zero3 group that the program dropped without closing it is held
-    (strongly) until its group is released, so that the wait still sees collectives it
-    issued and nobody waited for: otherwise dropping the group would block in its
-    destructor until the collective timed out.
+    A gloo worker thread that still holds a finished work when the interpreter finalizes
+    aborts the process (:ref:`fact-gloo-teardown`). So an ``atexit`` handler, while Python
+    is whole, (1) waits boundedly for the collectives zero3 issued and nobody waited for,
+    (2) destroys the groups zero3 created, newest first, and (3) closes its backends, so
+    that each destroyed group's destructor joins its threads now. Groups the user created
+    are left to the user; a collective that cannot finish leaves its group undestroyed
+    rather than hang. :func:`release_groups` does the same mid-run, minus the default group
+    and groups torch named after their ranks: docs/troubleshooting.rst,
+    :ref:`exit-abort` and :ref:`release-groups`.
 """
 
 from __future__ import annotations
@@ -129,7 +71,7 @@ class _Created:
     #: Open backends (weakly: one the program dropped holds nothing any more) ...
     backends: weakref.WeakSet[ExitParticipant] = weakref.WeakSet()
     #: ... except those on a group in ``groups``, held until it is released (the group
-    #: is held anyway; see the module note).
+    #: is held anyway; :ref:`release-groups`).
     held: list[ExitParticipant] = []
 
 

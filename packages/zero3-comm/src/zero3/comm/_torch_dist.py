@@ -81,15 +81,10 @@ def _import_before_init() -> None:
     """Import ``torch.distributed.nn`` before the default group exists.
 
     Note:
-        ``torch.distributed.nn.functional`` (torch 2.13) declares ten functions with
-        ``group=group.WORLD`` as a default argument, evaluated when the module is first
-        imported. Imported after ``init_process_group`` (constructing any torch
-        optimizer imports it, through ``torch._dynamo``), it stores the default group in
-        those defaults for good: ``destroy_process_group()`` then unregisters the group
-        but never frees it, so its gloo worker threads live on into interpreter
-        finalization, where they can abort the process (see
-        ``zero3.comm._teardown``). Imported first, the defaults are None. The import
-        costs about 20 ms.
+        Imported after ``init_process_group`` (any torch optimizer imports it, through
+        ``torch._dynamo``), its functions' default arguments keep the default group for
+        good, and the group's gloo threads live into finalization, where they can abort
+        the process (:ref:`fact-gloo-teardown`). Imported first, the defaults are None.
     """
     with contextlib.suppress(ImportError):  # a torch build without it has nothing to fix
         importlib.import_module("torch.distributed.nn")
@@ -103,7 +98,7 @@ class TorchWork(Work):
         the collective is known to be complete, so nothing zero3 holds keeps a finished
         collective's buffers alive. Until then the work is also listed in its backend's
         ``pending`` table, which the exit handler uses to wait for collectives nobody
-        waited for (see ``zero3.comm._teardown``).
+        waited for (:ref:`exit-abort`).
     """
 
     def __init__(
@@ -205,7 +200,7 @@ class TorchDistBackend(CommBackend):
     ``init_method``/``rank``/``world_size``. With none of those, it makes a world of
     one process so single-process scripts run unchanged. A group created here is
     destroyed by :meth:`close`, or at interpreter exit if the program never closed the
-    backend (``zero3.comm._teardown`` explains why that matters for gloo); a duplicate's
+    backend (why that matters for gloo: :ref:`fact-gloo-teardown`); a duplicate's
     group also by :func:`~zero3.comm.release_groups`.
 
     Note:
@@ -308,16 +303,13 @@ class TorchDistBackend(CommBackend):
         """Open a second group over the same ranks (collective over them).
 
         Note:
-            torch names a new group after a counter when every rank of the world takes
-            part, but after its ranks and the number of live groups when only the
-            group's own ranks do (``use_local_synchronization``); and destroying a group
-            leaves its rendezvous keys in the store. A local-synchronization group that
-            is destroyed and made again therefore gets the old name, and a peer that
-            arrives first reads the old listener's address and fails with "Connection
-            refused" (seen in CI as a flaky ``connectFullMesh`` failure). So a duplicate
-            of the whole world takes the counter name (every rank is here: the call is
-            collective over the world) and may be destroyed by :meth:`close`; a duplicate
-            of a subgroup keeps the local name and lives until the world is destroyed.
+            torch names a local-synchronization group (one only its own ranks create)
+            after its ranks and the number of live groups, and destroying a group leaves
+            its rendezvous keys in the store: made again, it gets the old name and a peer
+            may read the old listener's address ("Connection refused", a flaky
+            ``connectFullMesh`` in CI). So a duplicate of the whole world takes torch's
+            counter name and may be destroyed by :meth:`close`; a duplicate of a subgroup
+            lives until the world is destroyed (:ref:`release-groups`).
         """
         group, whole_world = self._new_group(self.dist_backend)
         twin = type(self)(group=group, timeout_s=self.timeout_s, **self._options())
@@ -496,15 +488,11 @@ class GlooBackend(TorchDistBackend):
             :class:`TorchDistBackend`.
 
     Note:
-        Measured here (world 2, 135 MB, torch 2.13): gloo's all-gather took 0.19 s and
-        allocated a full-size temporary on every call (33,000 page faults); two
-        broadcasts moved the same bytes in 0.04-0.06 s with none. Its reduce-scatter
-        took 0.14-0.24 s with temporaries; all-reduce, in place, 0.10 s although it
-        moves twice the bytes. At 16 MiB the exchange took 10-11 ms against 14-16 ms for
-        the all-reduce and 29-31 ms for gloo's reduce-scatter. The defaults therefore
-        avoid gloo's own all-gather and reduce-scatter; the other options keep them for
-        comparison. The exchange sends ``N - 1`` messages per rank: right for the small
-        worlds gloo serves; a ring would need fewer at hundreds of ranks.
+        The defaults avoid gloo's own all-gather and reduce-scatter, which were slower
+        here and allocate a full-size temporary per call (:ref:`fact-gloo-speeds`); the
+        other options keep them for comparison. The exchange sends ``N - 1`` messages per
+        rank: right for the small worlds gloo serves; a ring would need fewer at hundreds
+        of ranks.
     """
 
     name = "gloo"

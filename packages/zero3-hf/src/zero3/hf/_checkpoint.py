@@ -1,16 +1,11 @@
 """What Zero3Trainer keeps in a checkpoint beside the model and optimizer.
 
-Note (one checkpoint, any world size):
-    The Trainer's own checkpoint folder (``checkpoint-{step}``) holds its
-    ``trainer_state.json`` (written by the Trainer, read before anything is built) and
-    a ``zero3`` directory: one DCP checkpoint (``zero3.optim.save_checkpoint``) with
-    the model's shards, the optimizer's fp32 masters and state, the loss scaler, and in
-    ``extra`` the learning-rate scheduler's state and each rank's RNG states under its
-    own key (``rng_rank{r}``). The scheduler's state goes in as JSON text: a checkpoint
-    keeps leaves, so the empty dicts a ``LambdaLR`` state holds (one per function) would
-    not come back as such. DCP reshards the model and optimizer on load, so a run
-    resumes at another world size; a rank with no saved RNG state (a larger world)
-    keeps its own, as the stock Trainer does when a process has no RNG file.
+Note:
+    One DCP checkpoint (``zero3.optim.save_checkpoint``) in the Trainer's
+    ``checkpoint-{step}/zero3``: it reshards on load, so a run resumes at any world size.
+    The scheduler's state goes in as JSON text (a checkpoint keeps leaves: a ``LambdaLR``
+    state's empty dicts would not come back), each rank's RNG states under its own key
+    (:ref:`hf-checkpoints`).
 """
 
 from __future__ import annotations

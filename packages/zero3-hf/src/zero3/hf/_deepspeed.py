@@ -1,24 +1,12 @@
 """A DeepSpeed config under the Trainer: ``"auto"`` filled from TrainingArguments.
 
-Note (the same filling as transformers' DeepSpeed integration):
-    transformers' ``HfTrainerDeepSpeedConfig`` fills every ``"auto"`` of a DeepSpeed
-    config from ``TrainingArguments`` in two passes: ``trainer_config_process`` (batch
-    sizes, accumulation, clipping, the optimizer's and scheduler's values, fp16/bf16)
-    when the arguments exist, ``trainer_config_finalize`` (the bucket sizes from the
-    model's ``hidden_size``, the scheduler's step counts) once the model and the number
-    of training steps are known. A value that is not ``"auto"`` must equal the
-    argument it stands for, or the run stops with one error listing every mismatch.
-    :func:`fill_from_training_args` does the first pass and the bucket sizes (zero3
-    shards the model in the constructor, so the model is known then);
-    :func:`check_scheduler_steps` does the step counts when the scheduler is built.
-
-Note (the optimizer and scheduler sections):
-    Under DeepSpeed these sections make DeepSpeed build the optimizer and scheduler.
-    Zero3Trainer always builds the Trainer's own (``optim``, the no-decay groups,
-    ``lr_scheduler_type``), so that a run equals the stock Trainer with the same
-    arguments; the sections only supply values, checked as above. A section asking for
-    something else (another optimizer type, a DeepSpeed-only scheduler, an option the
-    Trainer's optimizer does not take) is logged at WARNING saying what is used instead.
+Note:
+    The same filling as transformers' ``HfTrainerDeepSpeedConfig``, whose two passes
+    (``trainer_config_process``, ``trainer_config_finalize``) become
+    :func:`fill_from_training_args` (in the constructor, where zero3 already knows the
+    model) and :func:`check_scheduler_steps` (when the scheduler is built). The optimizer
+    and scheduler sections only supply values: the Trainer's own are always built, so a
+    run equals the stock Trainer's (:ref:`hf-deepspeed-config`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Zero3Trainer: the transformers Trainer on zero3's ZeRO-3 sharding.
 
-Note (where the stock Trainer would go wrong, transformers 5.24 / accelerate 1.15):
-    Each of these was read in their sources; each method overridden here answers one.
-
-    - DDP wrapping happens in accelerate's ``prepare_model`` (its MULTI_CPU/MULTI_GPU
-      branch), not in ``Trainer._wrap_model``: ``_prepare_for_training`` prepares only
-      the optimizer and never hands the model to ``accelerator.prepare``; ``_wrap_model``
-      returns the model (no ``nn.DataParallel`` either).
-    - The ``is_distributed_loading_by_transformers`` path (models sharded at load time)
-      broadcasts trainable parameters from rank 0 and adds all-reduce hooks: it is never
-      taken (a model loaded that way is refused; zero3 never sets the attribute).
-    - ``AcceleratedOptimizer`` with device placement round-trips the optimizer's
-      ``state_dict()`` through ``load_state_dict()``, which for a PartitionedOptimizer
-      rewrites every shard and regathers the model: the wrapper is built without it.
-    - ``_clip_grad_norm`` clips ``model.parameters()``, whose ``grad`` is None on a
-      sharded model: it would clip nothing and log a norm of 0. Clipping goes through
-      the PartitionedOptimizer (the norm over every rank's shards).
-    - ``_save`` returns early on ranks that do not write, so a collective save there
-      would hang the writer: ``save_model`` is a collective on every rank.
-    - ``_save_optimizer_and_scheduler`` saves rank 0's optimizer state only (1/N of a
-      sharded optimizer): checkpoints are DCP checkpoints written by every rank.
-    - ``train()`` calls ``_load_from_checkpoint`` before the optimizer exists, but the
-      optimizer's masters must be loaded with the model: that call only checks the
-      folder, and the checkpoint is loaded in ``_prepare_for_training``.
+Note:
+    Each method overridden here answers one place where the stock Trainer (transformers
+    5.24, accelerate 1.15) would go wrong on a sharded model: DDP wrapping, the
+    optimizer wrapper's state round trip, clipping, rank-0-only saves, loading before the
+    optimizer exists. The list, as read in their sources: :ref:`hf-stock-trainer`.
 """
 
 from __future__ import annotations

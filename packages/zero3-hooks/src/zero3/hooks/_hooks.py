@@ -22,7 +22,7 @@ Note (external parameters):
     that module, in forward and backward. Parameters a module returns in its output
     ("dangling": a bias a child hands its caller to add) become external to the caller
     the same way. Why a dict that sees every read, what it costs and the alternative
-    that misses reads: docs/facts.rst, "Tricks on user objects, measured".
+    that misses reads: :ref:`fact-guard-only-reads`, :ref:`fact-tricks`.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class ShardedModule:
         window must end when the user clears gradients, and torch has no hook on
         ``nn.Module.zero_grad``; trainers (the HF Trainer) call the module's. Without the
         mixin the gradients of a backward thrown away would be added to the next
-        window's (docs/facts.rst, "Tricks on user objects, measured"). FSDP2 swaps the
+        window's (:ref:`fact-trainer-zero-grad`). FSDP2 swaps the
         class the same way (``FSDPModule``).
     """
 

@@ -1,27 +1,11 @@
 """CheckingBackend: a CPU backend that rejects what a device backend would (a test instrument).
 
-Note (what it mirrors):
-    Device backends (``nccl``, ``cupy-nccl``, ``hccl``) inherit every argument check from
-    :class:`~zero3.comm.CommBackend`: ``_check_device`` refuses a tensor that is not on
-    their device type, ``_check_output`` a non-contiguous output or a dtype mismatch,
-    ``_check_reduce`` a dtype outside their ``capabilities.reduce_dtypes``; and they use
-    the base class's coalesced collectives, which pack on the *calling* stream before
-    the collective runs on its own. The checking backend is a ``CommBackend`` subclass
-    too, so it runs exactly that code, with the mirrored backend's capabilities. What it
-    adds is what a CPU run cannot show by itself:
-
-    * **host memory**: ``_check_device`` also refuses a tensor the
-      :class:`~zero3.testing.DeviceTracker` says would live in host memory (made
-      without ``device=``, or brought back with ``.cpu()``): on the mirrored backend
-      its device type would be ``cpu`` and ``_check_device`` would raise there;
-    * **stream order**: every input must have been written on the stream the
-      collective is issued on, or on one that stream has waited for; every output is
-      recorded as written by the collective on its stream, so a consumer that reads it
-      before ``Work.wait(consumer_stream)`` is caught by the tracker.
-
-    The collective itself runs on the wrapped CPU backend (gloo, mpi...), so results are
-    real and a run through the checking backend trains exactly like one without it. Its
-    streams are the tracker's :class:`~zero3.testing.RecordingStream` objects.
+Note:
+    A :class:`~zero3.comm.CommBackend` subclass with the mirrored backend's capabilities,
+    so it runs the device backends' own argument checks; it adds the two a CPU run cannot
+    show by itself (host memory handed to a collective, inputs not ordered on the
+    collective's stream) and runs the collective on the wrapped CPU backend, so results
+    are real. What it mirrors: docs/testing.rst, :ref:`testing-checking-backend`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Pooled multi-process worker groups for multi-rank tests.
 
 Note:
-    Spawning a gloo world costs seconds (measured: ~5 s at world 2, ~12 s at world 4,
-    plus ~7 s per process to import transformers; docs/facts.rst), so a test suite
-    cannot afford fresh ranks per case. A :class:`WorkerGroup` spawns its ranks once,
-    initializes gloo through a file store in a temp dir with a short timeout, and then
-    runs case after case sent over pipes (DeepSpeed's ``DistributedTest`` and FSDP's
-    ``run_subtests`` are the precedents). Cases are shipped with cloudpickle; functions
-    defined in test modules are pickled by value, so they need not be importable in the
-    workers (pytest's importlib mode makes ``tests.*`` unimportable there). A case that
-    fails reports every failing rank's traceback; a case that hangs past its timeout
-    gets its ranks' stacks dumped and the group torn down, so the next case starts on a
-    fresh group.
-
-    After each case that passed, the ranks release the process groups zero3 created
-    during it (:func:`zero3.comm.release_groups`), in a second round once every rank has
-    replied: every live gloo group keeps threads that wake up while idle, and a session's
-    worth of duplicates and host channels made the idle workers take CPU from the tests
-    that launch processes of their own. The second round gives the ordering the call
-    asks for: no rank releases a group a peer is still using or connecting to, and no
-    rank starts the next case (making groups again) before every rank has released.
+    Ranks are spawned once and run case after case (a fresh gloo world costs seconds:
+    :ref:`fact-spawn-cost`); cases travel by cloudpickle, functions of test modules by
+    value; after each passing case every rank releases the groups zero3 created, in a
+    second round, so idle workers do not spend CPU on them. Why, and the ordering the
+    second round gives: docs/testing.rst, :ref:`testing-pool`.
 """
 
 from __future__ import annotations

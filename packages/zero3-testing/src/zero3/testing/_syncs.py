@@ -1,28 +1,11 @@
 """HostSyncCounter: counts the points where the host would wait for a device (a test instrument).
 
-Note (what counts as a host synchronization):
-    On an accelerator the host queues work and runs ahead; it stops only where it needs
-    a value or a transfer to be finished. Those points, as torch makes them:
-
-    * ``read``: a device value reaches Python — ``.item()``, ``float(t)``, ``int(t)``,
-      ``bool(t)`` (an ``if`` on a tensor), ``.tolist()``, ``.numpy()``, ``torch.equal``,
-      ``torch.allclose``, printing;
-    * ``to-host``: ``.cpu()``, ``.to("cpu")``, or ``copy_`` from device into host memory;
-    * ``to-device``: a blocking copy from host memory into device memory —
-      ``.to(device)`` / ``copy_`` / ``t[i] = host_tensor`` without ``non_blocking=True``,
-      and ``torch.tensor(data, device=...)``. torch finishes these with a stream
-      synchronize (``memcpy_and_sync``), so each one stalls the host as well;
-    * ``shape``: an op whose output size depends on device values — ``nonzero``,
-      ``masked_select``, ``unique``, indexing with a boolean mask;
-    * ``wait``: an explicit host wait on a stream, an event or a collective
-      (reported by a :class:`~zero3.testing.DeviceTracker`'s streams and a
-      :class:`~zero3.testing.CheckingBackend`'s work).
-
-    With a tracker, only device memory counts (``bool()`` of a host tensor costs
-    nothing on an accelerator); without one, every tensor counts as device memory, and
-    host-to-device copies cannot be told apart (none are counted). On a real (or the
-    simulated ``zdev``) device, :class:`RealDevice` tells them apart by each tensor's
-    own device.
+Note:
+    The kinds counted (``read``, ``to-host``, ``to-device``, ``shape``, ``wait``) are the
+    points where torch makes an accelerator's host wait; with a tracker only device memory
+    counts, and on a real (or the simulated ``zdev``) device :class:`RealDevice` tells it
+    by each tensor's own device. The list, as torch makes them: docs/testing.rst,
+    :ref:`testing-host-syncs`.
 """
 
 from __future__ import annotations

@@ -1,50 +1,12 @@
 """DeviceTracker: a CPU stand-in for an accelerator's memory and streams (a test instrument).
 
-Note (telling device memory from host memory on a CPU-only machine):
-    Here the accelerator and the host are the same memory, so the tracker keeps its own
-    record of where each tensor *would* live on an accelerator, by the rules torch
-    applies there:
-
-    * A factory (``torch.zeros``, ``torch.tensor``, ``torch.arange``...) called without
-      ``device=`` puts its result on torch's default device, which is the host on every
-      accelerator machine: host memory. So does an explicit ``device="cpu"`` string, and
-      ``.cpu()``, ``.to("cpu")``, ``.numpy()``.
-    * A factory given a ``torch.device`` object makes device memory. Code gets such an
-      object from ``comm.device()`` or from a device tensor's ``.device``; here that
-      object says ``cpu``, so the tracker takes it as the device being served. The one
-      blind spot: ``torch.device("cpu")`` spelled out in code passes as device memory
-      (a ``"cpu"`` *string* does not).
-    * Any other op puts its result where its inputs are (device memory if any input is
-      device memory); a view shares its base's record; ``.to(device)`` of host memory and
-      ``.cpu()`` of device memory return a copy, as they would on an accelerator (here
-      they would return the tensor itself).
-    * A tensor the tracker never saw being made (parameters built before it started,
-      gradients autograd's engine allocates) is device memory: the model is taken to
-      have been moved to the device.
-
-    With those labels, what a device backend rejects becomes visible on CPU: a
-    collective handed host memory, an op mixing host and device tensors ("Expected all
-    tensors to be on the same device"), and a read of device memory by the host (a
-    synchronization, counted by :class:`~zero3.testing.HostSyncCounter`).
-
-Note (streams):
-    :class:`RecordingStream` objects stand in for device streams. Each keeps a sequence
-    number (one per op issued on it) and a vector clock: for every other stream, the
-    last of its ops this stream has waited for (``wait_stream``, ``wait_event``, a
-    collective's ``Work.wait``). Every op on device memory is issued on the current
-    stream (``stream.use()`` changes it), and the tracker remembers, per byte range of
-    each allocation, which stream wrote it last and as which op. A read is ordered when
-    it runs on the writing stream, or on a stream whose clock covers the write, or
-    after the host waited for it; any other read is a stream-order violation: on a
-    device the reader could see the bytes before they are written.
-
-Note (seeing backward):
-    A ``TorchFunctionMode`` is taken off the mode stack while its handler runs, so a
-    handler that simply called ``loss.backward()`` would run the whole backward, and
-    every hook in it, unobserved. The tracker (and the sync counter) therefore run
-    backward themselves, through autograd's engine, with the mode pushed again, so the
-    engine's gradient hooks and its end-of-backward callbacks are seen like any other
-    code. Ops inside autograd's C++ kernels are not Python calls and stay unseen.
+Note:
+    On a CPU-only machine device and host memory are the same, so the tracker labels each
+    tensor with where it *would* live on an accelerator (by torch's rules for factories,
+    ``device=`` objects and strings, and ops), orders reads against writes with one vector
+    clock per :class:`RecordingStream`, and runs backward itself so that autograd's hooks
+    are seen. The rules: docs/testing.rst, :ref:`testing-device-memory`,
+    :ref:`testing-streams`, :ref:`testing-seeing-backward`.
 """
 
 from __future__ import annotations

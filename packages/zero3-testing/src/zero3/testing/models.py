@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _train.model import Block, GPTConfig, add_gpt_layers, gpt_forward
 from torch import nn
 
 __all__ = [
@@ -32,69 +33,25 @@ __all__ = [
 ]
 
 
-class Attention(nn.Module):
-    """Causal self-attention."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class MLP(nn.Module):
-    """Two linear layers with a GELU."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, hidden)
-        self.out = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block."""
-
-    def __init__(self, dim: int, heads: int, hidden: int | None = None) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, hidden or 4 * dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 class TinyGPT(nn.Module):
-    """GPT with tied input/output embeddings (one ``nn.Parameter`` in two modules)."""
+    """GPT with tied input/output embeddings (one ``nn.Parameter`` in two modules).
+
+    The job's and the benchmarks' GPT (``_train.model``, from zero3-tools: its layers and
+    its forward) at a tiny size, in GPT-2's layout: ``wte``, ``wpe``, ``blocks.N.attn``
+    and ``blocks.N.mlp`` modules, ``lm_head``, each layer initialised by its own
+    ``reset_parameters``. A class of its own, directly under ``nn.Module``, as user
+    models are.
+    """
 
     def __init__(
         self, vocab: int = 61, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16
     ) -> None:
         super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.wpe = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
+        cfg = GPTConfig(vocab, layers, dim, heads, seq, tied=True, layout="gpt2", init="torch")
+        add_gpt_layers(self, cfg)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return gpt_forward(self, idx)
 
 
 class AlbertLike(nn.Module):
@@ -105,7 +62,7 @@ class AlbertLike(nn.Module):
     def __init__(self, dim: int = 24, repeats: int = 3) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.shared = Block(dim, heads=4, hidden=2 * dim)
+        self.shared = Block(dim, 4, layout="gpt2", hidden=2 * dim)
         self.repeats = repeats
         self.head = nn.Linear(dim, 5)
 
@@ -230,8 +187,8 @@ class Checkpointed(nn.Module):
 
     With reentrant checkpointing the inner backward (the recomputed region) and the
     outer one each deliver a part of ``shared``'s gradient: its post-accumulate-grad
-    hook fires twice in one backward (docs/facts.rst). The parts must accumulate, never
-    reduce twice.
+    hook fires twice in one backward (:ref:`fact-reentrant-double-hook`). The parts must
+    accumulate, never reduce twice.
     """
 
     def __init__(self, reentrant: bool, dim: int = 16, layers: int = 2) -> None:

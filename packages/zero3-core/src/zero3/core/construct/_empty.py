@@ -2,7 +2,7 @@
 
 On a meta tensor an in-place fill (``normal_``, ``nn.init.*``) writes nothing, but torch
 has no C++ meta kernel for ``normal_``: its first call imports torch's Python meta
-registrations in every process (docs/facts.rst, "Memory and processes on CPU"). Inside
+registrations in every process (:ref:`fact-meta-fill`). Inside
 :func:`empty_init`, and in the initialisers' dry run, a ``TorchFunctionMode`` answers such
 fills on meta tensors by returning the tensor untouched, which is what the kernel does.
 """

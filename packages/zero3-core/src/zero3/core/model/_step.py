@@ -14,7 +14,7 @@ Note (end of backward without a user call):
     The epilogue is queued on the autograd engine as a final callback of the graph task
     running when the first hook of a backward fires. Reentrant activation checkpointing
     runs nested graph tasks whose callbacks run when *they* end, mid-way through the
-    outer backward (docs/facts.rst, "The shape of a backward"), so one callback is queued per task
+    outer backward (:ref:`fact-reentrant-callbacks`), so one callback is queued per task
     and only the last one to run — the outermost task's — runs the epilogue.
 
 Note (counts):

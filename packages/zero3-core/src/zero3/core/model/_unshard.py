@@ -2,7 +2,7 @@
 
 Note (the hooks go with the gathers):
     With every parameter gathered but the hooks installed, a tiny GPT-2 generated 2-4x
-    slower than unsharded; without them at its speed (docs/facts.rst, "Generation").
+    slower than unsharded; without them at its speed (:ref:`fact-generate-hook-cost`).
     So a block takes out the forward hooks of every module whose parameters it keeps.
 
 Note (a budget):

@@ -1,43 +1,26 @@
 """Partitioned parameters: the side table and the storage mechanics of release.
 
 Note (releasing memory for real):
-    Swapping ``param.data`` for a shard frees nothing while a graph is alive: autograd
-    saves the weight for backward (``F.linear`` saves it), and the saved tensor shares
-    the *storage*, so the full buffer stays referenced until backward (measured: after
-    the swap the full buffer's ``data_ptr`` is still alive in the saved tensor;
-    docs/facts.rst). zero3 therefore keeps every ``nn.Parameter`` at its full shape and
-    frees its storage object in place: the saved tensors share that storage object, so
-    the bytes really go from all of them. Releasing swaps the bytes out into a spare
-    storage (``UntypedStorage._swap_data_ptr_``) that the buffer pool may keep for the
-    next gather; gathering fills a spare storage and swaps it in. Nothing is written
-    through the parameter, so its version counter never moves and backward accepts the
-    saved tensors. (On a torch without ``_swap_data_ptr_`` the storage is resized and
-    filled in place under ``torch.autograd._unsafe_preserve_version_counter``: the copy
-    is not a user mutation, and backward would otherwise refuse the saved tensor.) The
-    parameter objects never change, so tied weights stay tied and optimizers, hooks and
-    ``named_parameters`` see the same objects.
+    Swapping ``param.data`` for a shard frees nothing while a graph is alive: the
+    tensors autograd saves share the parameter's *storage* (:ref:`fact-data-swap`). So
+    every ``nn.Parameter`` keeps its full shape and its storage object is emptied in
+    place: releasing swaps the bytes out into a spare storage
+    (``UntypedStorage._swap_data_ptr_``, pooled for the next gather), gathering fills a
+    spare one and swaps it in. Nothing is written through the parameter, so its version
+    counter never moves and backward accepts the saved tensors (without the swap the
+    storage is refilled under ``_unsafe_preserve_version_counter``:
+    :ref:`fact-refill-version`). The parameter objects never change, so tied weights
+    stay tied.
 
 Note (reading a released parameter):
-    A released parameter keeps its shape but has no bytes, and torch does not check:
-    ``p.sum()`` on it kills the process (SIGSEGV), and ops that make a view first
-    (``F.linear``, printing) raise torch's "setStorage: ... out of bounds for storage
-    of size 0", which names neither the parameter nor the fix. So while released a
-    parameter wears a subclass of its own class whose ``__torch_function__`` lets
-    metadata through (shape, dtype, device, grad, requires_grad...) and turns every
-    other op into a clear error that names the parameter and says how to gather it.
-    The class goes back the moment the parameter is gathered, so forward and backward
-    pay nothing for it. :meth:`ShardedParam.set_status` is the one place that changes
-    the class, together with the status.
-
-    Alternative tried: leave classes alone and push one global ``TorchFunctionMode``
-    that checks every op's arguments for released parameters. It taxes every op of the
-    process, released parameter or not: 1.2-1.3x the time of a small GPT's (TinyGPT's)
-    forward+backward (23-31 us per op), 1.4-1.9x once sharded (the mode also sees
-    zero3's own gather and copy ops), against 0.4-0.7% of the sharded step for the class
-    changes (1.4-2.5 us per release + gather, 58 per step). A global mode would also
-    stack with the user's own modes for the model's whole life. Measured by
-    ``tools/measure_tricks.py`` (torch 2.13, CPU, one thread; ranges over four runs on a
-    loaded 2-core machine).
+    A released parameter has no bytes and torch does not check: ``p.sum()`` kills the
+    process (:ref:`fact-empty-parameter-read`). So while released a parameter wears a
+    subclass of its own class whose ``__torch_function__`` lets metadata through and
+    turns every other op into an error naming the parameter and how to gather it; the
+    class goes back the moment it is gathered. :func:`dress_released` and
+    :func:`undress_released` are the only code that changes it. A global
+    ``TorchFunctionMode`` instead would tax every op of the process
+    (:ref:`fact-tricks`).
 
 Note (``param.grad`` of a sharded parameter):
     zero3 takes every gradient the moment autograd has accumulated it and reduces it

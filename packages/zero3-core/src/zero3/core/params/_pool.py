@@ -52,7 +52,7 @@ class BufferPool:
         Always a normal tensor, even when called under ``torch.inference_mode()``: a
         buffer born there could not be written by a later training step ("Inplace
         update to inference tensor outside InferenceMode is not allowed";
-        docs/facts.rst).
+        :ref:`fact-inference-tensors`).
         """
         with torch.inference_mode(False):
             return self._take(nbytes, device)

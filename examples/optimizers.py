@@ -2,11 +2,11 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 docs/examples/optimizers.py
+    torchrun --standalone --nproc-per-node 2 examples/optimizers.py
 """
 
 import torch
-from lion import Lion  # docs/examples/lion.py: a third-party optimizer
+from lion import Lion  # examples/lion.py: a third-party optimizer
 from torch import nn
 
 from zero3.comm import create_backend

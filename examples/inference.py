@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 docs/examples/inference.py
+    torchrun --standalone --nproc-per-node 2 examples/inference.py
 """
 
 import copy

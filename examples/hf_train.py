@@ -4,7 +4,7 @@ A script to copy: the transformers Trainer you know, on zero3's ZeRO-3 sharding 
 of DeepSpeed. No network: the model is built from a config and the tokenizer is the
 corpus's characters. Run it under torchrun::
 
-    torchrun --standalone --nproc-per-node 2 tools/hf_train.py --steps 50
+    torchrun --standalone --nproc-per-node 2 examples/hf_train.py --steps 50
 
 Add ``--deepspeed-config ds.json`` to use a DeepSpeed ZeRO-3 JSON as you would with
 ``TrainingArguments(deepspeed=...)`` ("auto" values are filled from the arguments).
@@ -25,7 +25,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 from zero3.core import Zero3Config
 from zero3.hf import Zero3Trainer, sharded_from_pretrained
 
-CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+#: The main job's corpus (tools/data/: Shakespeare's tragedies, public domain).
+CORPUS = Path(__file__).resolve().parents[1] / "tools" / "data" / "shakespeare.txt"
 
 
 class CharWindows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

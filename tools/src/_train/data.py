@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "shakespeare.txt"
 
 
 class CharCorpus:

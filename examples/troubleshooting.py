@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 docs/examples/troubleshooting.py
+    torchrun --standalone --nproc-per-node 2 examples/troubleshooting.py
 """
 
 import warnings

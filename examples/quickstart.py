@@ -2,8 +2,8 @@
 
 Run it on two local ranks, or as one process (a world of one rank)::
 
-    torchrun --standalone --nproc-per-node 2 docs/examples/quickstart.py
-    python docs/examples/quickstart.py
+    torchrun --standalone --nproc-per-node 2 examples/quickstart.py
+    python examples/quickstart.py
 """
 
 import torch

@@ -61,7 +61,7 @@ def summarize(profiler: cProfile.Profile, steps: int) -> dict[str, Any]:
         # Fail loudly rather than report a table with a row silently gone.
         raise RuntimeError(
             f"bench --profile: no profile entry for the phases {missing}; update PHASES in "
-            "tools/_bench/phases.py to the engine's current function names"
+            "tools/src/_bench/phases.py to the engine's current function names"
         )
     per_step = {label: 1000 * t / steps for label, t in phases.items()}
     top = {name: 1000 * t / steps for t, name in sorted(own, reverse=True)[:5]}

@@ -1,8 +1,8 @@
 """A plain torch.distributed gloo script that ends without any cleanup call.
 
 The usual pattern: a few asynchronous collectives, each waited for, and no
-``destroy_process_group()`` at the end. tools/exit_check.py runs it under torchrun
-beside zero3's script as the baseline exit rate.
+``destroy_process_group()`` at the end: the baseline of the exit counts on
+docs/troubleshooting.rst (each script run under torchrun, run after run).
 """
 
 import torch

@@ -1,7 +1,7 @@
 """A plain torch.distributed gloo script that ends with collectives still in flight.
 
 The harsher case: asynchronous all-reduces issued and never waited for, and no
-``destroy_process_group()``. tools/exit_check.py runs it beside ``zero3_inflight.py``.
+``destroy_process_group()``; counted beside ``zero3_inflight.py`` on docs/troubleshooting.rst.
 """
 
 import torch

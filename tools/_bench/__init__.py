@@ -1,1 +1,0 @@
-"""Pieces of tools/bench.py: the workload and one worker per system."""

@@ -1,1 +1,0 @@
-"""Pieces of tools/train.py (the main job): data, model, launch, report."""

@@ -1,0 +1,1 @@
+"""Pieces of tools/bench.py (and of tools/memory.py): the workload and one worker per system."""
