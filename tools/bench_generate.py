@@ -10,14 +10,18 @@ context (transformers' ``generate``: zero3's own block bounded by the reuse wind
 benchmark GPT has no ``generate``, so its loop runs a forward per token through the
 hooks), and, for transformers models, the per-token hook path that generate took before
 (every module gathered and released for each token). A rate is the world's: every rank's
-tokens over the slowest rank's time. The ratios are medians of per-round ratios (this
-machine is shared: absolute figures move between rounds, ratios much less).
+tokens over the slowest rank's time. Each round times plain twice, just before and just
+after the block, and every ratio of the round is against the mean of those two times, so
+a load that changes during the round moves both sides alike; the ratios are medians of
+the per-round ratios (this machine is shared: absolute figures move between rounds,
+ratios much less). "CPU" is the same ratio for the block in CPU time of the ranks' main
+threads (the slowest rank's), which other processes' load does not inflate: where the
+time goes, not what the clock showed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -108,20 +112,37 @@ def _runners(name: str, model: Any, reference: Any, prompt: torch.Tensor, tokens
     return runners
 
 
-_last_ms = [0.0]
-
-
-def _timed(fn: Any) -> float:
-    """Seconds of the slowest rank for ``fn()`` (every rank starts together)."""
+def _timed(fn: Any) -> tuple[float, float]:
+    """Wall and main-thread CPU seconds of the slowest rank for ``fn()`` (every rank
+    starts together).
+    """
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
+    elapsed = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    _last_ms[0] = elapsed.item() * 1e3
-    return elapsed.item()
+    return elapsed[0].item(), elapsed[1].item()
+
+
+def _round(model: Any, runners: dict, unsharded: Any) -> tuple[dict, dict, float]:
+    """One round: wall and CPU seconds per runner (plain: the mean of its two times,
+    before and after the block) and the block's own milliseconds (in and out).
+    """
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    before = _timed(runners["plain"])
+    opened = time.perf_counter()
+    with unsharded(model):
+        wall["unsharded"], cpu["unsharded"] = _timed(runners["unsharded"])
+    block_ms = (time.perf_counter() - opened - wall["unsharded"]) * 1e3
+    after = _timed(runners["plain"])
+    wall["plain"], cpu["plain"] = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+    for key, fn in runners.items():
+        if key not in wall:
+            wall[key], cpu[key] = _timed(fn)
+    return wall, cpu, block_ms
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -142,23 +163,17 @@ def worker(args: argparse.Namespace) -> None:
         g = torch.Generator().manual_seed(dist.get_rank())
         prompt = torch.randint(1, vocab, (args.batch, 8), generator=g)
         runners = _runners(name, model, reference, prompt, args.tokens)
-        rates: dict[str, list[float]] = {k: [] for k in runners}
-        blocks: list[float] = []
-        for _ in range(args.rounds):
-            for key, fn in runners.items():
-                block = unsharded(model) if key == "unsharded" else contextlib.nullcontext()
-                opened = time.perf_counter()
-                with block:
-                    rates[key].append(world * args.batch * args.tokens / _timed(fn))
-                if key == "unsharded":  # the block's own cost: one gather in, one sync out
-                    blocks.append((time.perf_counter() - opened) * 1e3 - _last_ms[0])
-        plain = rates["plain"]
-        results[name] = {"block_ms": statistics.median(blocks)} | {
+        rounds = [_round(model, runners, unsharded) for _ in range(args.rounds)]
+        tokens = world * args.batch * args.tokens
+        results[name] = {
+            "block_ms": statistics.median(b for _, _, b in rounds),
+            "cpu_ratio": statistics.median(c["plain"] / c["unsharded"] for _, c, _ in rounds),
+        } | {
             key: {
-                "tokens_per_s": statistics.median(r),
-                "ratio": statistics.median(a / b for a, b in zip(r, plain, strict=True)),
+                "tokens_per_s": statistics.median(tokens / w[key] for w, _, _ in rounds),
+                "ratio": statistics.median(w["plain"] / w[key] for w, _, _ in rounds),
             }
-            for key, r in rates.items()
+            for key in runners
         }
     if dist.get_rank() == 0:
         print("BENCH_RESULT " + json.dumps(results), flush=True)
@@ -196,15 +211,17 @@ def main() -> None:
         f"{args.rounds} rounds, {args.threads} thread(s) per rank, "
         f"load {os.getloadavg()[0]:.1f}"
     )
-    print("| model | plain tokens/s | inside unsharded | no context | hook path | block ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | plain tokens/s | inside unsharded | inside, CPU | no context | hook path "
+        "| block ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, rows in results.items():
-        block_ms = rows.pop("block_ms")
-        cells = [f"{rows['plain']['tokens_per_s']:.0f}"]
-        for key in ("unsharded", "no context", "hook path"):
-            row = rows.get(key)
-            cells.append("-" if row is None else f"{row['tokens_per_s']:.0f} ({row['ratio']:.2f}x)")
-        print(f"| {name} | " + " | ".join(cells) + f" | {block_ms:.1f} |")
+        block_ms, cpu_ratio = rows.pop("block_ms"), rows.pop("cpu_ratio")
+        rate = {k: f"{r['tokens_per_s']:.0f} ({r['ratio']:.2f}x)" for k, r in rows.items()}
+        cells = [f"{rows['plain']['tokens_per_s']:.0f}", rate["unsharded"], f"{cpu_ratio:.2f}x"]
+        cells += [rate["no context"], rate.get("hook path", "-"), f"{block_ms:.1f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

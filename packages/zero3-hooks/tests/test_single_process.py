@@ -75,3 +75,28 @@ def test_module_zero_grad_ends_the_accumulation_window():
     assert local_grad(model[0].weight) is None
     model(x).sum().backward()
     assert torch.allclose(local_grad(model[0].weight), first)
+
+
+def test_synchronize_exchanges_edit_flags_only_when_a_rank_edited():
+    model = _model()
+    # Biases (16 and 4 elements) stay whole on every rank: their edits are visible in place.
+    config = Zero3Config(param_persistence_threshold=16)
+    shard_module(model, config, comm=RecordingBackend(2))
+    state = sharded_state(model)
+    control, comm = state.control, state.comm
+    assert isinstance(control, RecordingBackend) and isinstance(comm, RecordingBackend)
+    with torch.no_grad():
+        model(torch.randn(2, 8))  # an inference step: it ends with a synchronisation
+    control.clear()
+    comm.clear()
+    state.synchronize()  # no rank edited: the header alone (it carries the counts)
+    assert control.ops() == ["all_gather"] and comm.ops() == []
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    control.clear()
+    state.synchronize()  # an edit: the header, then the flags, the merge and its refresh
+    assert comm.ops()[0] == "all_reduce" and "reduce_scatter" in comm.ops(), comm.ops()
+    control.clear()
+    comm.clear()
+    state.synchronize()  # merged: nothing pending any more
+    assert control.ops() == ["all_gather"] and comm.ops() == []

@@ -216,9 +216,25 @@ class CollectiveGuard:
 
     def check(self, op: Op) -> None:
         """Exchange ``op`` with every rank; raise on every rank if any differs."""
+        self._exchange(op, _WORDS)
+
+    def tally(self, op: Op, value: int) -> list[int]:
+        """Exchange ``op`` carrying this rank's ``value`` in its ``nbytes`` word: raise
+        on every rank if any announced another ``op``; every rank's value otherwise
+        (``[value]`` without headers). One header exchange that is also a small
+        all-gather, so a collective that only needs to know whether any rank has work
+        skips its payload when none has (``ModelSync``: no rank edited).
+        """
+        rows = self._exchange(dataclasses.replace(op, nbytes=value), _WORDS - 1)
+        return [value] if rows is None else [row[-1] for row in rows]
+
+    def _exchange(self, op: Op, compared: int) -> list[list[int]] | None:
+        """All-gather ``op``'s header; raise unless every rank's first ``compared``
+        words equal; every rank's words (None without headers).
+        """
         channel = self.channel
         if channel is None or channel.world_size == 1:
-            return
+            return None
         mine = op.encode()
         out = torch.empty(channel.world_size * _WORDS, dtype=torch.int64)
         with waiting_for(
@@ -233,9 +249,9 @@ class CollectiveGuard:
             channel.all_gather(out, mine).wait()
         self.exchanges += 1
         rows = out.view(channel.world_size, _WORDS).tolist()
-        if all(row == rows[0] for row in rows):
+        if all(row[:compared] == rows[0][:compared] for row in rows):
             self.last_agreed = op
-            return
+            return rows  # type: ignore[no-any-return]
         raise FingerprintMismatchError(self._explain(rows))
 
     def cast(self, op: Op, value: int) -> Ballot:

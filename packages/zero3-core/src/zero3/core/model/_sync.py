@@ -160,19 +160,18 @@ class ModelSync:
             if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
                 edited[sp.index] = sp.param.detach()
         n = len(self.params)
-        flags = torch.zeros(n, dtype=torch.uint8)
-        for index in edited:
-            flags[index] = 1
-        self.guard.check(Op(OpKind.SYNC, step, 0, -1, n, flags.numel()))
+        # The header carries this rank's count of edits: where no rank edited (every
+        # inference step that only reads), the per-parameter flags are not exchanged.
+        counts = self.guard.tally(Op(OpKind.SYNC, step, 0, -1, n), len(edited))
+        flagged: list[ShardedParam] = []
         with waiting_for(
             lambda: f"rank {self.comm.rank} timed out synchronising step {step}",
             rank=self.comm.rank,
             during=lambda: f"the synchronisation of edits and buffers at step {step}",
             after=self.guard.last_words,
         ):
-            on_device = flags.to(self.comm.device())
-            self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
-            flagged = [self.params[int(i)] for i in torch.nonzero(on_device.cpu()).flatten()]
+            if not self.guard.active or any(counts):
+                flagged = self._flagged(edited)
             for sp in flagged:
                 self._merge(sp, edited.get(sp.index))
             buffers = persistent_buffers(self.module)
@@ -184,6 +183,15 @@ class ModelSync:
         refresh = [sp for sp in flagged if whole(sp) and not sp.aliases_param]
         self.coordinator.refresh(refresh, Moment(step, Phase.BETWEEN))
         self.stats.current.other_collectives += 1
+
+    def _flagged(self, edited: dict[int, torch.Tensor | None]) -> list[ShardedParam]:
+        """The parameters some rank edited (a collective: one flag per parameter)."""
+        flags = torch.zeros(len(self.params), dtype=torch.uint8)
+        for index in edited:
+            flags[index] = 1
+        on_device = flags.to(self.comm.device())
+        self.comm.all_reduce(on_device, op=ReduceOp.MAX).wait()
+        return [self.params[int(i)] for i in torch.nonzero(on_device.cpu()).flatten()]
 
     def _merge(self, sp: ShardedParam, mine: torch.Tensor | None) -> None:
         """Merge every rank's edit of one parameter into its shard (a collective).
