@@ -251,7 +251,7 @@ class CollectiveGuard:
         rows = out.view(channel.world_size, _WORDS).tolist()
         if all(row[:compared] == rows[0][:compared] for row in rows):
             self.last_agreed = op
-            return rows  # type: ignore[no-any-return]
+            return rows
         raise FingerprintMismatchError(self._explain(rows))
 
     def cast(self, op: Op, value: int) -> Ballot:
