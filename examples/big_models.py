@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 examples/big_models.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/big_models.py
 """
 
 import os

@@ -1,6 +1,6 @@
 """Checkpoints of a sharded model: save at one world size, load at any, export weights.
 
-    torchrun --standalone --nproc-per-node 2 examples/checkpoints.py [DIR]
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/checkpoints.py [DIR]
 
 Writes into DIR (default ``zero3-checkpoint`` in the working directory), which every
 rank must be able to read.

@@ -2,7 +2,7 @@
 
 No collectives: run it as one process::
 
-    python examples/deepspeed_config.py
+    ./dev run python examples/deepspeed_config.py
 """
 
 from zero3.core import Zero3Config

@@ -4,7 +4,7 @@ A script to copy: the transformers Trainer you know, on zero3's ZeRO-3 sharding 
 of DeepSpeed. No network: the model is built from a config and the tokenizer is the
 corpus's characters. Run it under torchrun::
 
-    torchrun --standalone --nproc-per-node 2 examples/hf_train.py --steps 50
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/hf_train.py --steps 50
 
 Add ``--deepspeed-config ds.json`` to use a DeepSpeed ZeRO-3 JSON as you would with
 ``TrainingArguments(deepspeed=...)`` ("auto" values are filled from the arguments).

@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 examples/inference.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/inference.py
 """
 
 import copy

@@ -4,7 +4,7 @@ The ``zero3-comm-loopback`` package (tests/plugin/zero3-comm-loopback) registers
 through the ``zero3.comm`` entry-point group; once installed, it is a name like any
 other. A world of one rank, so run it as one process::
 
-    python examples/plugin_loopback.py
+    ./dev run python examples/plugin_loopback.py
 """
 
 import torch

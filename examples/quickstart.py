@@ -2,8 +2,8 @@
 
 Run it on two local ranks, or as one process (a world of one rank)::
 
-    torchrun --standalone --nproc-per-node 2 examples/quickstart.py
-    python examples/quickstart.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/quickstart.py
+    ./dev run python examples/quickstart.py
 """
 
 import torch

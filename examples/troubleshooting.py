@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 examples/troubleshooting.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/troubleshooting.py
 """
 
 import warnings

@@ -1,11 +1,11 @@
 """zero3's main job: train a small GPT on Shakespeare with every state sharded.
 
-    ./dev train                               # self-launches one rank per core (2 here)
+    ./dev train                                          # one rank per core (2 here)
     ./dev train --steps 200 --dtype bf16 --trace trace.json --plot loss.png
     ./dev train --init empty --layers 12 --d-model 1024  # never whole on any rank
     ./dev train --from weights/                          # safetensors weights, sliced
-    torchrun --standalone --nproc-per-node 2 tools/train.py
-    mpiexec -n 2 python tools/train.py        # the mpi backend, no torch.distributed
+    ./dev run torchrun --standalone --nproc-per-node 2 tools/train.py
+    ./dev run mpiexec -n 2 python tools/train.py         # the mpi backend
 
 Run with --help for every flag. The corpus (Shakespeare's tragedies, public domain)
 ships in tools/data/.

@@ -49,7 +49,9 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Train a small GPT on Shakespeare (character tokens) with zero3: every "
             "parameter, gradient and optimizer state sharded across the ranks. Launches "
-            "its own local ranks, or runs unchanged under torchrun / mpiexec."
+            "its own local ranks (./dev train), or runs unchanged under a launcher: "
+            "./dev run torchrun --standalone --nproc-per-node 2 tools/train.py, or "
+            "./dev run mpiexec -n 2 python tools/train.py."
         ),
         formatter_class=_HelpFormatter,
     )
