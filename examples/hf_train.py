@@ -120,12 +120,16 @@ def main() -> None:
     if trainer.is_world_process_zero():
         print(f"held-out loss {loss:.3f} (perplexity {math.exp(loss):.2f}); saved {final}")
         reloaded = GPT2LMHeadModel.from_pretrained(final)
-        prompt = torch.tensor([[index[c] for c in "ROMEO:"]])
+        # Id 0, the model's eos_token_id, is "\n": without this, generate would stop at
+        # the end of the first line. A sample of several lines runs to its length.
+        reloaded.generation_config.eos_token_id = None
+        prompt = torch.tensor([[index[c] for c in "ROMEO:\n"]])
         room = min(200, a.seq_len - prompt.shape[1])  # positions the model has
         torch.manual_seed(0)
         out = reloaded.generate(prompt, max_new_tokens=room, do_sample=True, temperature=0.8,
                                 top_k=0, pad_token_id=0)  # fmt: skip
-        print("--- sample ---\n" + "".join(chars[i] for i in out[0].tolist()))
+        sample = "".join(chars[i] for i in out[0].tolist())
+        print(f"--- sample ({len(sample)} characters) ---\n{sample}\n--- end of sample ---")
 
 
 if __name__ == "__main__":
