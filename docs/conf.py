@@ -20,7 +20,9 @@ extensions = [
 exclude_patterns = ["_build"]
 html_theme = "furo"
 html_title = "zero3"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+# Tables fit the content column (docs/_static/zero3.css says how).
+html_css_files = ["zero3.css"]
 pygments_style = "sphinx"
 pygments_dark_style = "monokai"
 

@@ -64,8 +64,11 @@ def resume():
 
 
 def save_in_background(model, opt, step):
-    future = save_checkpoint(DIR / "ckpt", model, opt, extra={"step": step}, async_save=True)
-    train(model, opt, steps=1, first=step)  # training goes on while the files are written
+    future = save_checkpoint(
+        DIR / "ckpt", model, opt, extra={"step": step}, async_save=True
+    )
+    # Training goes on while the files are written.
+    train(model, opt, steps=1, first=step)
     return future.result()  # the published path; raises if the save failed
 
 

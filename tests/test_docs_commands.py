@@ -181,3 +181,46 @@ Prose: ``zero3-consolidate CKPT OUT``.
     md = "```bash\n./dev run zero3-consolidate ckpt out\n./dev run nosuchtool\n```\n`torchrun -h`"
     found = problems_in(md, markdown=True, name="README.md")
     assert [f.split(": ", 1)[0] for f in found] == ["README.md:3", "README.md:5"]
+
+
+#: Columns a code block shows without scrolling at a 1280-px window (furo's 46em content
+#: column fits about 94 of its monospace characters; examples/ruff.toml formats to this).
+CODE_COLUMNS = 88
+_INCLUDE = re.compile(r"^( *)\.\. literalinclude:: +(\S+)\n((?:\1 +:.*\n)*)", re.M)
+
+
+def included(page: Path) -> list[tuple[Path, list[str]]]:
+    """(file, lines shown) of each literalinclude of a page, as Sphinx selects them
+    (``:pyobject:``, ``:start-at:``, ``:end-at:``, the options the pages use)."""
+    found = []
+    for m in _INCLUDE.finditer(page.read_text()):
+        path = (page.parent / m.group(2)).resolve()
+        options = dict(re.findall(r":([\w-]+):[ \t]*(.*)", m.group(3)))
+        unknown = set(options) - {"language", "pyobject", "start-at", "end-at"}
+        assert not unknown, f"{page.name}: {path.name}: options this check does not read: {unknown}"
+        lines = path.read_text().splitlines()
+        if "pyobject" in options:
+            tree = ast.parse(path.read_text())
+            node = next(
+                n for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == options["pyobject"]
+            )  # fmt: skip
+            lines = lines[node.lineno - 1 : node.end_lineno]
+        if "start-at" in options:
+            lines = lines[next(i for i, x in enumerate(lines) if options["start-at"] in x) :]
+        if "end-at" in options:
+            lines = lines[: next(i for i, x in enumerate(lines) if options["end-at"] in x) + 1]
+        found.append((path, lines))
+    return found
+
+
+def test_included_code_fits_the_page():
+    """No line of an excerpt scrolls off the code block, and none shows ``# fmt: skip``."""
+    found = []
+    for page in sorted((ROOT / "docs").glob("*.rst")):
+        for path, lines in included(page):
+            for line in lines:
+                if len(line) > CODE_COLUMNS or "fmt: skip" in line:
+                    found.append(f"{page.name}: {path.relative_to(ROOT)}: {line}")
+    assert not found, "\n".join(found)
+    assert sum(len(included(p)) for p in (ROOT / "docs").glob("*.rst")) >= 25
