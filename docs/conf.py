@@ -20,7 +20,9 @@ extensions = [
 exclude_patterns = ["_build"]
 html_theme = "furo"
 html_title = "zero3"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+# Tables fit the content column (docs/_static/zero3.css says how).
+html_css_files = ["zero3.css"]
 pygments_style = "sphinx"
 pygments_dark_style = "monokai"
 
@@ -94,6 +96,45 @@ def _factory_defaults(app, what, name, obj, options, signature, return_annotatio
     return signature, return_annotation
 
 
+# -- private parameters ---------------------------------------------------------------------
+
+
+def _split_top_level(text):
+    """``text`` split at the commas outside brackets and quotes."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]
+
+
+def _hide_private_parameters(app, what, name, obj, options, signature, return_annotation):
+    """Leave parameters whose name starts with ``_`` out of a documented signature.
+
+    They are not part of the API: ``Zero3Trainer.save_model`` keeps transformers'
+    ``_internal_call`` only because the ``Trainer`` calls it with that keyword.
+    """
+    if what not in ("method", "function") or not signature or "_" not in signature:
+        return None
+    inner = signature.strip()[1:-1]
+    kept = [p for p in _split_top_level(inner) if not p.strip().lstrip("*").startswith("_")]
+    if len(kept) == len(_split_top_level(inner)):
+        return None
+    if kept and kept[-1].strip() == "*":
+        kept.pop()  # no keyword-only parameter left
+    return "(" + ", ".join(p.strip() for p in kept) + ")", return_annotation
+
+
 # -- re-exported constants ------------------------------------------------------------------
 
 
@@ -128,4 +169,5 @@ def _reexported_data_doc(app, what, name, obj, options, lines):
 
 def setup(app):
     app.connect("autodoc-process-signature", _factory_defaults)
+    app.connect("autodoc-process-signature", _hide_private_parameters)
     app.connect("autodoc-process-docstring", _reexported_data_doc)

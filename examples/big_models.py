@@ -1,8 +1,8 @@
-"""A transformers Llama that is never whole on any rank: estimate, load, initialise, train.
+"""A transformers Llama never whole on any rank: estimate, load, initialise, train.
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 examples/big_models.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/big_models.py
 """
 
 import os
@@ -22,12 +22,17 @@ transformers.logging.set_verbosity_error()
 comm = create_backend("gloo", timeout_s=120)
 rank, world = comm.rank, comm.world_size
 config = LlamaConfig(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 zero3_config = Zero3Config(backend="gloo", param_persistence_threshold=0)
 
-# Before anything is built: what will each rank hold? (fp32 AdamW: 16 bytes per element / N)
+# Before anything is built: what will each rank hold? (fp32 AdamW: 16 B/element / N)
 with empty_init():
     model = LlamaForCausalLM(config)  # parameters on meta: no memory
 estimate = estimate_model_states(model, world, config=zero3_config)
@@ -57,7 +62,9 @@ print(f"rank {rank}: max |sharded - from_pretrained| = {diff.item():.1e}")
 # 2. Or initialise from scratch, one module at a time, with the model's own initialiser.
 with empty_init():
     fresh = LlamaForCausalLM(config)
-shard_module(fresh, zero3_config, comm=create_backend("gloo"), param_init_fn=fresh._init_weights)
+shard_module(
+    fresh, zero3_config, comm=create_backend("gloo"), param_init_fn=fresh._init_weights
+)
 
 # Train the loaded model one step and see what this rank holds.
 opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
@@ -65,6 +72,7 @@ model(input_ids=ids, labels=ids).loss.backward()
 opt.step()
 mem = memory_stats(model, opt)
 print(
-    f"rank {rank}: holds {mem.held_bytes:,} of {mem.unsharded_bytes:,} model-state bytes "
+    f"rank {rank}: holds {mem.held_bytes:,} of {mem.unsharded_bytes:,} "
+    "model-state bytes "
     f"({mem.held_fraction:.2f}x), estimate {estimate.per_rank_bytes:,}"
 )

@@ -1,6 +1,6 @@
 """Checkpoints of a sharded model: save at one world size, load at any, export weights.
 
-    torchrun --standalone --nproc-per-node 2 examples/checkpoints.py [DIR]
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/checkpoints.py [DIR]
 
 Writes into DIR (default ``zero3-checkpoint`` in the working directory), which every
 rank must be able to read.
@@ -64,8 +64,11 @@ def resume():
 
 
 def save_in_background(model, opt, step):
-    future = save_checkpoint(DIR / "ckpt", model, opt, extra={"step": step}, async_save=True)
-    train(model, opt, steps=1, first=step)  # training goes on while the files are written
+    future = save_checkpoint(
+        DIR / "ckpt", model, opt, extra={"step": step}, async_save=True
+    )
+    # Training goes on while the files are written.
+    train(model, opt, steps=1, first=step)
     return future.result()  # the published path; raises if the save failed
 
 

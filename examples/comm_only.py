@@ -2,7 +2,7 @@
 
 Needs only the ``zero3-comm`` distribution (and torch)::
 
-    torchrun --standalone --nproc-per-node 2 examples/comm_only.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/comm_only.py
 """
 
 import torch

@@ -2,7 +2,7 @@
 
 No collectives: run it as one process::
 
-    python examples/deepspeed_config.py
+    ./dev run python examples/deepspeed_config.py
 """
 
 from zero3.core import Zero3Config
@@ -27,7 +27,9 @@ ds_config = {
 config = Zero3Config.from_deepspeed(ds_config, backend="gloo")  # keyword fields win
 print(f"prefetch_bucket_size={config.prefetch_bucket_size:,}")
 print(f"param_persistence_threshold={config.param_persistence_threshold:,}")
-print(f"max_reuse_distance={config.max_reuse_distance}, param_dtype={config.param_dtype}")
+print(
+    f"max_reuse_distance={config.max_reuse_distance}, param_dtype={config.param_dtype}"
+)
 print(f"gradient_clipping={config.gradient_clipping}, backend={config.backend!r}")
 print(f"extras (for the training loop): {sorted(config.extras)}")
 

@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 examples/inference.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/inference.py
 """
 
 import copy
@@ -23,15 +23,21 @@ model.eval()
 
 x = torch.randn(4, 32)
 with torch.no_grad():
-    for _ in range(3):  # the first call records the module order, the next ones prefetch
+    # The first call records the module order, the next ones prefetch.
+    for _ in range(3):
         out = model(x)
     s = stats(model)  # counters of the last step
     print(f"max |sharded - unsharded| = {(out - reference(x)).abs().max().item():.1e}")
-    print(f"last forward: {s.gathers} gather(s), {s.prefetch_gathers} of them prefetched")
+    print(
+        f"last forward: {s.gathers} gather(s), {s.prefetch_gathers} of them prefetched"
+    )
 
     # Many forwards in a row (generation): gather once, not once per call.
     with gathered_parameters(list(model.parameters())):
         y = out
         for _ in range(5):
             y = model(y.repeat(1, 4))  # 8 outputs -> 32 inputs
-    print(f"inside gathered_parameters: {stats(model).gathers} gathers in the last forward")
+    print(
+        f"inside gathered_parameters: {stats(model).gathers} gathers "
+        "in the last forward"
+    )

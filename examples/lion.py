@@ -7,14 +7,18 @@ class Lion(torch.optim.Optimizer):
     """A third-party optimizer (Chen et al. 2023): it only follows torch's protocol."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:  # no rank produced a gradient for it: skip, as torch does
+                if (
+                    p.grad is None
+                ):  # no rank produced a gradient for it: skip, as torch does
                     continue
                 state = self.state[p]
                 if not state:

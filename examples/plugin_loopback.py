@@ -4,7 +4,7 @@ The ``zero3-comm-loopback`` package (tests/plugin/zero3-comm-loopback) registers
 through the ``zero3.comm`` entry-point group; once installed, it is a name like any
 other. A world of one rank, so run it as one process::
 
-    python examples/plugin_loopback.py
+    ./dev run python examples/plugin_loopback.py
 """
 
 import torch
@@ -18,14 +18,20 @@ from zero3.optim import PartitionedOptimizer
 print(f"registered: {registered_backends()}")
 print(f"available here: {available_backends()}")
 
-comm = create_backend("loopback")  # found through the entry point, built with its options
+comm = create_backend(
+    "loopback"
+)  # found through the entry point, built with its options
 print(f"{type(comm).__name__}: rank {comm.rank} of {comm.world_size}")
 
 out = torch.empty(3)
-comm.all_gather(out, torch.tensor([1.0, 2.0, 3.0])).wait()  # a local copy in a world of one
+comm.all_gather(
+    out, torch.tensor([1.0, 2.0, 3.0])
+).wait()  # a local copy in a world of one
 
 torch.manual_seed(0)
-model = shard_module(nn.Linear(4, 1), Zero3Config(param_persistence_threshold=0), comm=comm)
+model = shard_module(
+    nn.Linear(4, 1), Zero3Config(param_persistence_threshold=0), comm=comm
+)
 opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.1)
 for _ in range(3):
     model(torch.ones(2, 4)).pow(2).mean().backward()

@@ -2,8 +2,8 @@
 
 Run it on two local ranks, or as one process (a world of one rank)::
 
-    torchrun --standalone --nproc-per-node 2 examples/quickstart.py
-    python examples/quickstart.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/quickstart.py
+    ./dev run python examples/quickstart.py
 """
 
 import torch
@@ -35,4 +35,7 @@ for step in range(30):
         print(f"step {step + 1}: loss {loss.item():.4f} (rank 0's share of the batch)")
 
 weight = model[0].weight  # full shape; this rank holds only its shard between uses
-print(f"rank {comm.rank}: holds {local_shard(weight).numel()} of {weight.numel()} elements")
+print(
+    f"rank {comm.rank}: holds {local_shard(weight).numel()} of {weight.numel()} "
+    "elements"
+)

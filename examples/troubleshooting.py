@@ -2,7 +2,7 @@
 
 Run it on two local ranks::
 
-    torchrun --standalone --nproc-per-node 2 examples/troubleshooting.py
+    ./dev run torchrun --standalone --nproc-per-node 2 examples/troubleshooting.py
 """
 
 import warnings
@@ -61,12 +61,19 @@ def gradients_live_in_shards():
     full = full_grad(weight)  # a collective: every rank calls it, in the same order
     if RANK == 0:
         try:
-            print(weight.grad)  # no full gradient exists: reading it is an error, not None
+            # No full gradient exists: reading it is an error, not None.
+            print(weight.grad)
         except RuntimeError as exc:
             print(f"weight.grad: {str(exc).split(': ', 2)[1]}")
-        print(f"local_grad: {tuple(local_grad(weight).shape)}, full_grad: {tuple(full.shape)}")
+        print(
+            f"local_grad: {tuple(local_grad(weight).shape)}, "
+            f"full_grad: {tuple(full.shape)}"
+        )
         # Outside forward and backward the parameter is released: full shape, no bytes.
-        print(f"weight: shape {tuple(weight.shape)}, {weight.untyped_storage().nbytes()} bytes")
+        print(
+            f"weight: shape {tuple(weight.shape)}, "
+            f"{weight.untyped_storage().nbytes()} bytes"
+        )
         try:
             weight.sum()  # reading its values outside a gather is a clear error
         except RuntimeError as exc:
@@ -97,7 +104,9 @@ class TopOneMoE(nn.Module):
 
 def routed_batch():
     x = torch.randn(4, 8) * 0.1
-    x[:, RANK % 2] = 5.0  # rank r's tokens all go to expert r: ranks run different modules
+    x[:, RANK % 2] = (
+        5.0  # rank r's tokens all go to expert r: ranks run different modules
+    )
     return x
 
 
@@ -113,7 +122,8 @@ def divergent_modules():
 
     torch.manual_seed(0)
     model = nn.Sequential(TopOneMoE(), nn.Linear(8, 1))
-    set_leaf_modules(model, TopOneMoE)  # gathered whole on entry: routing is free inside
+    # Gathered whole on entry: routing is free inside.
+    set_leaf_modules(model, TopOneMoE)
     model = shard_module(model, CONFIG, comm=COMM)
     opt = PartitionedOptimizer(model, torch.optim.SGD, lr=0.1)
     for _ in range(2):
@@ -122,7 +132,9 @@ def divergent_modules():
         opt.zero_grad()
     if RANK == 0:
         gathers = stats(model).gathers
-        print(f"with TopOneMoE as a leaf: trained; {gathers} gather(s) in the last step")
+        print(
+            f"with TopOneMoE as a leaf: trained; {gathers} gather(s) in the last step"
+        )
 
 
 trace_invalidation()

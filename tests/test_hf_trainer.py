@@ -384,7 +384,11 @@ def _tool(out: Path, *flags: str) -> tuple[str, list[float]]:
 
 def test_the_hf_train_tool_fine_tunes_saves_and_starts_again_from_its_weights(tmp_path):
     out, first = _tool(tmp_path / "a", "--steps", "6", "--lr", "1e-2")
-    assert "held-out loss" in out and "--- sample ---\nROMEO:" in out
+    assert "held-out loss" in out
+    # The whole room of --seq-len 32 positions: not cut at the first "\n" (eos_token_id).
+    sample = re.search(r"--- sample \(32 characters\) ---\n(.*?)\n--- end of sample ---", out, re.S)
+    assert sample is not None and sample[1].startswith("ROMEO:\n"), out[-2000:]
+    assert len(sample[1]) == 32, sample[1]
     assert (tmp_path / "a" / "final" / "model.safetensors").exists()
     out, again = _tool(tmp_path / "b", "--steps", "2", "--init-from", str(tmp_path / "a" / "final"))
     assert len(first) == 6 and len(again) == 2

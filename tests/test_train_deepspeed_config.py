@@ -54,6 +54,7 @@ def test_the_transformers_zero3_config_trains_unchanged(tmp_path):
     offload = "zero_optimization.offload_optimizer (changes memory): zero3 does not offload"
     assert out.count(offload) == 1
     assert "DeepSpeed settings zero3 does not honour" in out
+    assert "does not honour" not in result.stderr  # not again from rank 0
     assert out.index("gradient_clipping") < out.index("launching 2 local ranks")
     # "auto" optimizer values took the command's own (lr 1e-3, betas (0.9, 0.95)).
     assert "AdamW({'lr': 0.001, 'betas': (0.9, 0.95), 'eps': 1e-08, 'weight_decay': 0.1})" in out

@@ -1,11 +1,11 @@
 """Benchmark zero3 against one process, DDP, FSDP2 and DeepSpeed ZeRO-3 on one workload.
 
-    .venv/bin/python tools/bench.py                      # world 2, 3 interleaved rounds
-    .venv/bin/python tools/bench.py --world1             # zero3 vs plain PyTorch at world 1
-    .venv/bin/python tools/bench.py --layers 16 --systems ddp,zero3,zero3-release
-    .venv/bin/python tools/bench.py --world 4 --steps 2 --systems zero3,zero3-release  # bytes
-    .venv/bin/python tools/bench.py --rounds 1 --systems ddp,zero3 --profile  # phases
-    .venv/bin/python tools/bench.py --systems ddp,fsdp2,zero3,zero3-release  # + memory
+    ./dev run python tools/bench.py                      # world 2, 3 interleaved rounds
+    ./dev run python tools/bench.py --world1             # zero3 vs plain PyTorch at world 1
+    ./dev run python tools/bench.py --layers 16 --systems ddp,zero3,zero3-release
+    ./dev run python tools/bench.py --world 4 --steps 2 --systems zero3,zero3-release  # bytes
+    ./dev run python tools/bench.py --rounds 1 --systems ddp,zero3 --profile  # phases
+    ./dev run python tools/bench.py --systems ddp,fsdp2,zero3,zero3-release  # + memory
 
 Every (system, round) runs in fresh processes (so peak RSS is that system's), with one
 thread per rank. Per round, each system's median step time of the slowest rank; the

@@ -3,8 +3,8 @@
 Run under MPI, which provides the ranks; gloo is set up in the same processes through a
 file store whose path rank 0 broadcasts over MPI::
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python tools/bench_comm.py
-    .venv/bin/mpiexec -n 2 .venv/bin/python tools/bench_comm.py --sizes 1M,16M --iters 50
+    ./dev run mpiexec -n 2 python tools/bench_comm.py
+    ./dev run mpiexec -n 2 python tools/bench_comm.py --sizes 1M,16M --iters 50
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time`` with ``bytes`` the full buffer
 (the all-gather output, the reduce-scatter input) and ``busbw = algbw * (n - 1) / n``
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, n = comm.Get_rank(), comm.Get_size()
     if n < 2:
         print(
-            "run under mpiexec with at least 2 ranks, e.g. mpiexec -n 2 python tools/bench_comm.py"
+            "run under mpiexec with at least 2 ranks, e.g. "
+            "./dev run mpiexec -n 2 python tools/bench_comm.py"
         )
         return 2
     names = [b.strip() for b in args.backends.split(",") if b.strip()]

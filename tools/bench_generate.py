@@ -1,7 +1,7 @@
 """Generation on a sharded model at world 2: tokens/s against the same model unsharded.
 
-    .venv/bin/python tools/bench_generate.py                 # the three models, 5 rounds
-    .venv/bin/python tools/bench_generate.py --models gpt2 --rounds 9 --tokens 96
+    ./dev run python tools/bench_generate.py                 # the three models, 5 rounds
+    ./dev run python tools/bench_generate.py --models gpt2 --rounds 9 --tokens 96
 
 Per model, in the same processes and interleaved round by round: plain PyTorch (an
 unsharded copy), ``generate`` inside an open ``zero3.hooks.unsharded`` block (the block's

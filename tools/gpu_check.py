@@ -1,9 +1,13 @@
 """The Python half of tools/gpu_check.sh: engine parity and step timing on one device.
 
-    python tools/gpu_check.py parity --dtype fp32          # zero3 vs plain PyTorch, world 1
-    python tools/gpu_check.py parity --dtype bf16          # bf16 params, fp32 masters
-    python tools/gpu_check.py bench                        # plain, FSDP2, zero3 step times
-    python tools/gpu_check.py bench --device cpu --layers 1 --d-model 64   # check it here
+    tools/gpu_check.sh                       # on the GPU machine: runs the parts below
+    "$PY" tools/gpu_check.py parity --dtype fp32  # zero3 vs plain PyTorch, world 1
+    "$PY" tools/gpu_check.py parity --dtype bf16  # bf16 params, fp32 masters
+    "$PY" tools/gpu_check.py bench                # plain, FSDP2, zero3 step times
+    ./dev run python tools/gpu_check.py bench --device cpu --layers 1 --d-model 64  # here
+
+(``$PY``: the Python of the environment gpu_check.sh sets up on that machine, with its
+CUDA torch.)
 
 Everything runs at world 1 on ``--device`` (default ``cuda``; ``cpu`` exists so the logic
 can be checked on a machine without a GPU, over gloo instead of nccl). The bench runs each

@@ -1,10 +1,10 @@
 """Memory of models bigger than one rank, measured: peak RSS per rank against bounds.
 
-    .venv/bin/python tools/memory.py build               # world 2: build + one forward
-    .venv/bin/python tools/memory.py load --worlds 2,4   # a >= 1.5 GB fp32 checkpoint
-    .venv/bin/python tools/memory.py table               # training, world 1/2/4 vs theory
-    .venv/bin/python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
-    .venv/bin/python tools/memory.py checkpoint          # save, async save, load, consolidate
+    ./dev run python tools/memory.py build               # world 2: build + one forward
+    ./dev run python tools/memory.py load --worlds 2,4   # a >= 1.5 GB fp32 checkpoint
+    ./dev run python tools/memory.py table               # training, world 1/2/4 vs theory
+    ./dev run python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
+    ./dev run python tools/memory.py checkpoint          # save, async save, load, consolidate
 
 Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
 ``VmHWM``: ``ru_maxrss`` without the peak of the parent image before ``exec``) over a baseline

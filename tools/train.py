@@ -1,11 +1,11 @@
 """zero3's main job: train a small GPT on Shakespeare with every state sharded.
 
-    ./dev train                               # self-launches one rank per core (2 here)
+    ./dev train                                          # one rank per core (2 here)
     ./dev train --steps 200 --dtype bf16 --trace trace.json --plot loss.png
     ./dev train --init empty --layers 12 --d-model 1024  # never whole on any rank
     ./dev train --from weights/                          # safetensors weights, sliced
-    torchrun --standalone --nproc-per-node 2 tools/train.py
-    mpiexec -n 2 python tools/train.py        # the mpi backend, no torch.distributed
+    ./dev run torchrun --standalone --nproc-per-node 2 tools/train.py
+    ./dev run mpiexec -n 2 python tools/train.py         # the mpi backend
 
 Run with --help for every flag. The corpus (Shakespeare's tragedies, public domain)
 ships in tools/data/.
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from _train import launch, report
 from _train.data import CharCorpus
 from _train.model import GPT, GPTConfig, sample
-from _train.settings import Settings, lr_lambda, parser, settings_from
+from _train.progress import Progress
+from _train.settings import Settings, launcher_settings, lr_lambda, parser, rank_settings
 
 from zero3.comm import CommBackend, ReduceOp, create_backend, launched_by_mpi, launched_by_torch
 from zero3.core import CheckpointError, estimate_model_states, gathered_parameters
@@ -61,23 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preflight(args: object, nproc: int) -> None:
     """Check flags, config, model shape and backend before starting any rank."""
-    import logging
-
     from zero3.comm import backend_class
 
-    # The DeepSpeed config is read once here, before any rank starts: its INFO lines (each
-    # "auto" resolved, each key zero3 leaves to this loop) are shown once, not per rank.
-    notes = logging.StreamHandler(sys.stdout)
-    notes.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("zero3.core")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(notes)
-    try:
-        settings_from(args, nproc)  # type: ignore[arg-type]
-    finally:
-        logger.removeHandler(notes)
-        logger.setLevel(level)
+    launcher_settings(args, nproc)  # type: ignore[arg-type]  # the config's notes, once
     if args.resume is not None:  # type: ignore[attr-defined]
         CheckpointReader(args.resume)  # type: ignore[attr-defined]  # exists, finished, zero3's
     GPTConfig(CharCorpus().vocab_size, args.layers, args.d_model, args.heads, args.seq_len)  # type: ignore[attr-defined]
@@ -96,21 +83,13 @@ def _mean_and_max(comm: CommBackend, value: float, seconds: float) -> tuple[floa
     return float(t) / comm.world_size, float(s)
 
 
-def _progress(enabled: bool, total: int) -> object | None:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-
-
 def train(args: object) -> int:
     """One rank's whole run."""
     threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
     comm = create_backend(args.backend, timeout_s=300)
-    settings = settings_from(args, comm.world_size)  # type: ignore[arg-type]
+    settings = rank_settings(args, comm.world_size)  # type: ignore[arg-type]
     comm.timeout_s = settings.config.timeout_s  # the config's timeout bounds every wait
     rank, world = comm.rank, comm.world_size
     corpus = CharCorpus()
@@ -244,7 +223,8 @@ def _loop(
 ) -> tuple[list[float], list[float]]:
     rank, world = comm.rank, comm.world_size
     seq = model.cfg.seq_len  # type: ignore[union-attr]
-    bar = _progress(rank == 0 and not args.no_progress, settings.steps - start)  # type: ignore[attr-defined]
+    no_bar = bool(args.no_progress)  # type: ignore[attr-defined]
+    progress = Progress(settings.steps, start, bar=not no_bar) if rank == 0 else None
     trace_from = settings.steps - args.trace_steps if args.trace else settings.steps + 1  # type: ignore[attr-defined]
     tokens = settings.batch * settings.accumulation * world * seq
     losses, times = [], []
@@ -272,18 +252,11 @@ def _loop(
         mean, slowest = _mean_and_max(comm, total, time.perf_counter() - start)
         losses.append(mean)
         times.append(slowest)
-        if bar is not None:
-            bar.set_postfix(
-                loss=f"{mean:.3f}", tok_s=f"{tokens / slowest:,.0f}", step_s=f"{slowest:.2f}"
-            )  # type: ignore[attr-defined]
-            bar.update(1)  # type: ignore[attr-defined]
-        elif rank == 0 and (step % 10 == 0 or step == settings.steps - 1):
-            print(
-                f"step {step + 1}/{settings.steps} loss {mean:.4f} {slowest:.3f} s/step", flush=True
-            )
+        if progress is not None:
+            progress.step(step + 1, mean, tokens / slowest, slowest)
         _checkpoint(args, comm, step + 1, settings.steps, model, opt, scheduler)
-    if bar is not None:
-        bar.close()  # type: ignore[attr-defined]
+    if progress is not None:
+        progress.close()
     return losses, times
 
 

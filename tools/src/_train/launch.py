@@ -22,7 +22,7 @@ def usable_cores() -> int:
 
 
 def bootstrap_torch_env_from_mpi() -> None:
-    """Under mpiexec with a torch.distributed backend: agree on a rendezvous through MPI.
+    """Under mpiexec with a torch.distributed backend: agree on a rendezvous over MPI.
 
     Rank 0 picks a free port and announces its address; every rank learns its rank on
     its own node from a shared-memory split of the world, so multi-node runs work too.

@@ -153,7 +153,7 @@ def format_summary(
                 str(int(m["gathers"])),
                 str(int(m["reductions"])),
                 str(int(m["small"])),
-                f"{100 * m['hit_rate']:.1f}%",
+                f"{100 * m['hit_rate']:.1f}%" if m["gathers"] else "-",  # none to prefetch
                 f"{m['step_time']:.3f} s",
                 f"{tokens_per_step / max(1e-9, m['step_time']):,.0f}",
             ]
@@ -164,9 +164,7 @@ def format_summary(
     lines = [
         "",
         f"zero3 summary: world {n}, {psi / 1e6:.2f}M parameters, "
-        f"{100 * psi_s / psi:.1f}% of elements sharded ({len(sharded)} of "
-        f"{len(state.params)} tensors; the rest are persistent, <= "
-        f"{config.param_persistence_threshold} elements)",
+        + sharded_share(psi_s, psi, len(sharded), len(state.params), config),
         "per rank: peak RSS, its growth over the RSS before the model was built, model state "
         "(parameters, gradients, masters, optimizer state) held against the estimate and "
         "one unsharded process; collectives per step",
@@ -184,10 +182,15 @@ def format_summary(
     )
     k_gather = m["gather_payload"] / max(1, psi_s * el)
     k_reduce = m["reduce_payload"] / max(1, trainable * red_el)
+    gathered = (
+        f"  gathered {_mb(m['gather_payload'] * wire)} = {k_gather:.2f} x Psi_s(N-1)/N; theory "
+        f"{1 if whole else 2} x ({why_gather})"
+        if psi_s
+        else "  gathered nothing: no parameter is sharded (Psi_s = 0), each rank holds them whole"
+    )
     lines += [
         "payload per step (rank 0; each rank moves (N-1)/N of a ring collective's buffer):",
-        f"  gathered {_mb(m['gather_payload'] * wire)} = {k_gather:.2f} x Psi_s(N-1)/N; theory "
-        f"{1 if whole else 2} x ({why_gather})",
+        gathered,
         f"  reduced  {_mb(m['reduce_payload'] * wire)} = {k_reduce:.2f} x Psi(N-1)/N; theory "
         f"{2 if config.grad_reduce_op == 'all_reduce' else 1} x ({config.grad_reduce_op})",
         f"  apart: padding {_mb((m['gather_padding'] + m['reduce_padding']) * wire)}, "
@@ -196,6 +199,24 @@ def format_summary(
         f"  trace invalidations (whole run): {int(m['invalidations'])}",
     ]
     return "\n".join(lines)
+
+
+def sharded_share(psi_s: int, psi: int, sharded: int, tensors: int, config: Zero3Config) -> str:
+    """How much of the model is sharded, and why the rest is not."""
+    threshold = config.param_persistence_threshold
+    if sharded == tensors:
+        return f"100.0% of elements sharded (all {tensors} tensors)"
+    why = (
+        f"persistent: tensors of <= {threshold:,} elements (param_persistence_threshold) stay "
+        "whole on every rank, as in DeepSpeed, so small ones are not gathered every step"
+    )
+    if sharded == 0:
+        return (
+            f"nothing sharded: all {tensors} tensors are {why}; a bigger --d-model, or "
+            "--param-persistence-threshold 0, shards them"
+        )
+    share = f"{100 * psi_s / psi:.1f}% of elements sharded"
+    return f"{share} ({sharded} of {tensors} tensors; the rest are {why})"
 
 
 def write_trace(path: Path, per_rank_events: list[bytes]) -> None:

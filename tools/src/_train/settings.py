@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from _train.launch import CHILD_FLAG
 from zero3.core import Zero3Config
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Train a small GPT on Shakespeare (character tokens) with zero3: every "
             "parameter, gradient and optimizer state sharded across the ranks. Launches "
-            "its own local ranks, or runs unchanged under torchrun / mpiexec."
+            "its own local ranks (./dev train), or runs unchanged under a launcher: "
+            "./dev run torchrun --standalone --nproc-per-node 2 tools/train.py, or "
+            "./dev run mpiexec -n 2 python tools/train.py."
         ),
         formatter_class=_HelpFormatter,
     )
@@ -347,6 +353,38 @@ def _batch_sizes(
             "--batch/--accumulation",
         )
     return micro, accumulation
+
+
+def launcher_settings(args: argparse.Namespace, world_size: int) -> Settings:
+    """``settings_from`` in the launcher, before any rank starts: zero3's notes on the
+    DeepSpeed config (each "auto" resolved, each key left to this loop, each setting not
+    honoured) are printed here, once, on stdout."""
+    notes = logging.StreamHandler(sys.stdout)
+    notes.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("zero3.core")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(notes)
+    try:
+        return settings_from(args, world_size)
+    finally:
+        logger.removeHandler(notes)
+        logger.setLevel(level)
+
+
+def rank_settings(args: argparse.Namespace, world_size: int) -> Settings:
+    """``settings_from`` in a rank. A rank the launcher started reads the config again
+    without a word (the launcher printed its notes); under torchrun or mpiexec there was
+    no launcher, so rank 0's warnings are the only copy and stay."""
+    if os.environ.get(CHILD_FLAG) != "1":
+        return settings_from(args, world_size)
+    logger = logging.getLogger("zero3.core")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return settings_from(args, world_size)
+    finally:
+        logger.setLevel(level)
 
 
 def settings_from(args: argparse.Namespace, world_size: int) -> Settings:

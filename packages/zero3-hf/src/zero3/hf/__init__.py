@@ -13,7 +13,8 @@
     trainer.train()
     trainer.save_model("out/final")  # consolidated safetensors: from_pretrained("out/final")
 
-Run it under ``torchrun --nproc-per-node N``.
+Run it under a launcher, e.g. ``./dev run torchrun --nproc-per-node N script.py`` in this
+repository (``./dev run`` runs a command inside its environment).
 """
 
 from zero3.hf._args import Zero3TrainingArguments

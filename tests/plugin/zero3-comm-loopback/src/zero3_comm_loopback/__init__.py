@@ -44,17 +44,31 @@ class LoopbackBackend(CommBackend):
     def duplicate(self) -> LoopbackBackend:
         return LoopbackBackend(timeout_s=self.timeout_s)
 
-    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, stream: Stream | None) -> Work:
+    def _all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        stream: Stream | None,
+    ) -> Work:
         output.copy_(input)
         return CompletedWork()
 
     def _reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, stream: Stream | None
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp,
+        stream: Stream | None,
     ) -> Work:
         output.copy_(input)  # sum, average, max and min of one value are that value
         return CompletedWork()
 
-    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, stream: Stream | None) -> Work:
+    def _all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        stream: Stream | None,
+    ) -> Work:
         return CompletedWork()
 
     def _broadcast(self, tensor: torch.Tensor, src: int, stream: Stream | None) -> Work:
