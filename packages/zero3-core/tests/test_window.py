@@ -44,7 +44,8 @@ def test_explicit_values_win_and_the_rest_stays_auto():
 
 def test_small_models_keep_the_floor_and_the_caps():
     tiny = _resolve(Zero3Config(), units=(1000,), sharded=5000)
-    assert tiny.prefetch_numel == tiny.live_numel == tiny.reuse_numel == 5000  # capped
+    assert tiny.prefetch_numel == tiny.live_numel == 5000  # capped at the model
+    assert tiny.reuse_numel == FLOOR_NUMEL  # a trace distance: kept whole into backward
     assert tiny.bound_numel == 5000
     floored = _resolve(Zero3Config(), units=(1000,), sharded=10 * FLOOR_NUMEL)
     assert floored.prefetch_numel == floored.reuse_numel == FLOOR_NUMEL

@@ -134,7 +134,9 @@ def _zero3(
             "held": max(held, default=mem.held_bytes),
             "unsharded": mem.unsharded_bytes,
             "peak_gathered": mem.peak_gathered_bytes,
-            "pool": mem.pool_bytes,
+            "pool": mem.peak_pool_bytes,
+            "engine": mem.peak_engine_bytes,
+            "window": mem.window.describe() if mem.window else "",
         }
 
     return step, {"info": info}

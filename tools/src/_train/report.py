@@ -210,7 +210,7 @@ def format_summary(
 def _memory_lines(per_rank: list[dict[str, float]], window: str) -> list[str]:
     """The gather window and where each rank's peak goes (MemoryStats.breakdown)."""
     header = [
-        "rank", "model state", "gathered", "gather buffers", "buckets", "full grad",
+        "memory", "model state", "gathered", "gather buffers", "buckets", "full grad",
         "pool", "zero3 transient at once", "rest (activations, allocator)",
     ]  # fmt: skip
     rows = []
@@ -218,7 +218,7 @@ def _memory_lines(per_rank: list[dict[str, float]], window: str) -> list[str]:
         rest = m["peak_rss"] - m["baseline_rss"] - m["held"] - m["peak_engine"]
         keys = ("held", "peak_gathered", "peak_gather_buffers", "peak_buckets",
                 "peak_full_grad", "peak_pool", "peak_engine")  # fmt: skip
-        rows.append([str(r), *(_mb(m[k]) for k in keys), _mb(rest)])
+        rows.append([f"rank {r}", *(_mb(m[k]) for k in keys), _mb(rest)])
     return [
         f"gather window: {window}",
         "memory per rank at its peak (each part's own peak; 'at once' is their most together, "

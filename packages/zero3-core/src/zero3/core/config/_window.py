@@ -17,7 +17,8 @@ Note (the rule):
     * ``overlap_chunk_size = min(4_194_304, max(U, FLOOR) // 4)``: the four gradient
       reductions in flight hold at most one unit of bucket buffers.
 
-    Each is also capped at the model's sharded elements. A value set in
+    Each but the reuse distance (which counts the trace's elements, forward and backward:
+    twice the model) is also capped at the model's sharded elements. A value set in
     :class:`~zero3.core.Zero3Config` (or a DeepSpeed config) wins over its rule. The floor
     keeps models whose whole gathered size is a few MiB behaving as before (gathered
     once per step): below it, memory is not worth a collective. What the window
@@ -140,16 +141,18 @@ def resolve_window(
     cap = max(1, sharded_numel)
     auto: set[str] = set()
 
-    def pick(name: str, rule: int, minimum: int = 0) -> int:
+    def pick(name: str, rule: int, minimum: int = 0, limit: int | None = cap) -> int:
         given = getattr(config, FIELDS[name])
         if given is not None:
             return int(given)
         auto.add(name)
-        return max(minimum, min(rule, cap))
+        return max(minimum, rule if limit is None else min(rule, limit))
 
     prefetch = pick("prefetch_numel", base)
     live = pick("live_numel", 2 * max(prefetch, base))
-    reuse = pick("reuse_numel", base)
+    # Not capped at the model: the reuse distance counts trace elements, forward and
+    # backward (twice the model), so a model under the floor stays whole into backward.
+    reuse = pick("reuse_numel", base, limit=None)
     chunk = pick("chunk_numel", min(MAX_CHUNK_NUMEL, base // _REDUCTIONS_IN_FLIGHT), minimum=1)
     return GatherWindow(
         prefetch_numel=prefetch,
