@@ -424,7 +424,7 @@ def cap(layers: int, allowance: int, timeout: float) -> bool:
           f"start + {allowance / MiB:.0f} MiB (RLIMIT_DATA)")  # fmt: skip
     outcome: dict[str, bool] = {}
     oom_seen = False
-    for system in ("zero3-lean", "ddp"):
+    for system in ("zero3", "ddp"):
         rows = launch("cap", 4, {"workload": vars(w), "system": system, "steps": 3,
                                  "allowance": allowance}, timeout)  # fmt: skip
         ok = all(r.get("ok") for r in rows)
@@ -436,7 +436,7 @@ def cap(layers: int, allowance: int, timeout: float) -> bool:
         print(f"  {system} at world 4: " + ("trained 3 steps, losses "
               + ", ".join(f"{x:.4f}" for x in rows[0]["losses"]) if ok else "failed: "
               + " | ".join(errors)) + f" (data segment grew {data:.0f} MiB)")  # fmt: skip
-    expected = outcome["zero3-lean"] and oom_seen
+    expected = outcome["zero3"] and oom_seen
     print("  as claimed" if expected else "  NOT as claimed")
     return expected
 
@@ -492,7 +492,7 @@ def main() -> int:
                    help="where `load` writes (once) and reads its checkpoint")  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="training steps for `table`")
     p.add_argument(
-        "--systems", default="ddp,zero3-lean,zero3", help="tools/bench.py systems for `table`"
+        "--systems", default="ddp,zero3,zero3-ds-window", help="tools/bench.py systems for `table`"
     )
     p.add_argument("--cap-layers", type=int, default=16, help="model layers for `cap`")
     p.add_argument("--cap-mib", type=int, default=800, help="RLIMIT_DATA allowance for `cap`")

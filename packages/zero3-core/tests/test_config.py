@@ -7,11 +7,13 @@ from torch import nn
 from zero3.core import ModulePath, Zero3Config
 
 
-def test_defaults_are_deepspeeds():
+def test_defaults_are_deepspeeds_except_the_gather_window():
     c = Zero3Config()
-    assert c.prefetch_bucket_size == 50_000_000
-    assert c.max_live_parameters == 1_000_000_000
-    assert c.max_reuse_distance == 1_000_000_000
+    # The window is auto (None): sized from the model when it is sharded (GatherWindow).
+    assert c.prefetch_bucket_size is None
+    assert c.max_live_parameters is None
+    assert c.max_reuse_distance is None
+    assert c.overlap_chunk_size is None
     assert c.param_persistence_threshold == 100_000
     assert c.reduce_bucket_size == 500_000_000
     assert c.contiguous_gradients and c.overlap_comm

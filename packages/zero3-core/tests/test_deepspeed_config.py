@@ -49,7 +49,7 @@ def test_maps_zero_keys_and_keeps_the_rest_for_the_loop(tmp_path):
     for source in (DS, str(path), path):
         c = Zero3Config.from_deepspeed(source)
         assert c.prefetch_bucket_size == 1000
-        assert c.max_live_parameters == 1_000_000_000  # "auto": DeepSpeed's default
+        assert c.max_live_parameters is None  # "auto": sized from the model (GatherWindow)
         assert c.max_reuse_distance == 0
         assert c.param_persistence_threshold == 10
         assert c.reduce_bucket_size == 2000
@@ -75,7 +75,7 @@ def test_the_transformers_zero3_config_loads_unchanged(caplog):
     # "auto" as the HF Trainer fills it without TrainingArguments.
     assert c.param_dtype is None  # bf16/fp16 "auto": precision off
     assert c.gradient_clipping == 1.0  # max_grad_norm's default
-    assert c.reduce_bucket_size == 500_000_000 and c.prefetch_bucket_size == 50_000_000
+    assert c.reduce_bucket_size == 500_000_000 and c.prefetch_bucket_size is None  # window: auto
     assert c.param_persistence_threshold == 100_000
     assert c.sub_group_size == 1_000_000_000 and c.max_live_parameters == 1_000_000_000
     # Batch sizes, optimizer and scheduler are the loop's, still "auto".

@@ -45,8 +45,8 @@ def report(results: dict[str, list[dict[str, Any]]], world: int, psi: int) -> st
         "",
         "| system | baseline RSS (MiB) | peak RSS (MiB) | growth over baseline (MiB) "
         "| below DDP (MiB) | model state held / unsharded (MiB) | peak gathered params (MiB) "
-        "| buffer pool (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| buffer pool peak (MiB) | zero3 transient at once (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     growth = {
         name: statistics.median(_growth(r) for r in runs)
@@ -58,28 +58,30 @@ def report(results: dict[str, list[dict[str, Any]]], world: int, psi: int) -> st
         if name not in growth:
             continue
         below = f"{(ddp - growth[name]) / MiB:.0f}" if ddp is not None and name != "ddp" else "-"
-        held = gathered = pool = "-"
+        held = gathered = pool = engine = "-"
         if "held" in runs[-1]:
             held = f"{_median(runs, 'held') / MiB:.0f} / {_median(runs, 'unsharded') / MiB:.0f}"
             gathered = f"{_median(runs, 'peak_gathered') / MiB:.0f}"
             pool = f"{_median(runs, 'pool') / MiB:.0f}"
+            engine = f"{_median(runs, 'engine') / MiB:.0f}" if "engine" in runs[-1] else "-"
         lines.append(
             f"| {name} | {_median(runs, 'baseline') / MiB:.0f} | {_median(runs, 'rss') / MiB:.0f} "
-            f"| {growth[name] / MiB:.0f} | {below} | {held} | {gathered} | {pool} |"
+            f"| {growth[name] / MiB:.0f} | {below} | {held} | {gathered} | {pool} | {engine} |"
         )
+    for name, runs in results.items():
+        if name in growth and runs[-1].get("window"):
+            lines.append(f"\n{name} gather window: {runs[-1]['window']}")
     if ddp is not None and world > 1:
         lines += ["", f"theory: ZeRO-3 saves 16·Ψ·(N-1)/N = {theory / MiB:.0f} MiB per rank vs DDP"]
         for name in growth:
             if name.startswith("zero3"):
                 saved = ddp - growth[name]
+                vs_fsdp2 = ""
+                if "fsdp2" in growth:
+                    gap = growth[name] - growth["fsdp2"]
+                    vs_fsdp2 = f"; {gap / MiB:+.0f} MiB against FSDP2 (target: <= 0)"
                 lines.append(
                     f"  {name}: {saved / MiB:.0f} MiB below DDP = {100 * saved / theory:.0f}% "
-                    "of the theory (target: >= 80% with max_reuse_distance=0)"
+                    f"of the theory{vs_fsdp2}"
                 )
-        if "zero3" in growth and "zero3-release" in growth:
-            window = growth["zero3"] - growth["zero3-release"]
-            lines.append(
-                f"  the default reuse window costs {window / MiB:.0f} MiB per rank (it keeps "
-                "the model gathered from forward into backward)"
-            )
     return "\n".join(lines)

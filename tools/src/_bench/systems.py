@@ -134,7 +134,9 @@ def _zero3(
             "held": max(held, default=mem.held_bytes),
             "unsharded": mem.unsharded_bytes,
             "peak_gathered": mem.peak_gathered_bytes,
-            "pool": mem.pool_bytes,
+            "pool": mem.peak_pool_bytes,
+            "engine": mem.peak_engine_bytes,
+            "window": mem.window.describe() if mem.window else "",
         }
 
     return step, {"info": info}
@@ -175,16 +177,16 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
     "fsdp2": _fsdp2,
     "zero3": _zero3,
     "zero3-release": lambda w, r, n: _zero3(w, r, n, max_reuse_distance=0),
-    # Memory-lean: release on exit, prefetch one layer ahead, at most three layers live,
-    # gradients reduced in quarter-layer chunks (four in flight: one layer of buffers).
-    "zero3-lean": lambda w, r, n: _zero3(
+    # DeepSpeed's absolute window values (zero3's defaults before the window was sized
+    # from the model), for comparison: the whole model stays gathered forward to backward.
+    "zero3-ds-window": lambda w, r, n: _zero3(
         w,
         r,
         n,
-        max_reuse_distance=0,
-        prefetch_bucket_size=w.layer_numel,
-        max_live_parameters=3 * w.layer_numel,
-        overlap_chunk_size=w.layer_numel // 4,
+        prefetch_bucket_size=50_000_000,
+        max_live_parameters=1_000_000_000,
+        max_reuse_distance=1_000_000_000,
+        overlap_chunk_size=4_194_304,
     ),
     "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),
     "zero3-release-eager-build": lambda w, r, n: _zero3(

@@ -37,6 +37,12 @@ METRICS = [
     "hit_rate",
     "invalidations",
     "step_time",
+    "peak_gathered",
+    "peak_gather_buffers",
+    "peak_buckets",
+    "peak_full_grad",
+    "peak_pool",
+    "peak_engine",
 ]
 
 
@@ -72,6 +78,8 @@ def rank_metrics(
         1 + stats.refresh_gathers + stats.other_collectives,  # +1: the flags all-reduce
         stats.prefetch_hit_rate, state.stats.total_invalidations,
         statistics.median(step_times) if step_times else 0.0,
+        memory.peak_gathered_bytes, memory.peak_gather_buffer_bytes, memory.peak_bucket_bytes,
+        memory.peak_full_grad_bytes, memory.peak_pool_bytes, memory.peak_engine_bytes,
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
 
@@ -174,7 +182,8 @@ def format_summary(
         f"{_mb(excess)} per rank (activations, gathered parameters, "
         "communication buffers, allocator)",
     ]
-    whole = config.max_reuse_distance >= psi_s
+    lines += _memory_lines(per_rank, state.window.describe())
+    whole = state.window.reuse_numel >= psi_s
     why_gather = (
         "max_reuse_distance keeps the model whole into backward"
         if whole
@@ -217,6 +226,40 @@ def sharded_share(psi_s: int, psi: int, sharded: int, tensors: int, config: Zero
         )
     share = f"{100 * psi_s / psi:.1f}% of elements sharded"
     return f"{share} ({sharded} of {tensors} tensors; the rest are {why})"
+
+
+def _memory_lines(per_rank: list[dict[str, float]], window: str) -> list[str]:
+    """The gather window and where each rank's peak goes (MemoryStats.breakdown)."""
+    header = [
+        "memory",
+        "model state",
+        "gathered",
+        "gather buffers",
+        "buckets",
+        "full grad",
+        "pool",
+        "zero3 transient at once",
+        "rest (activations, allocator)",
+    ]
+    rows = []
+    for r, m in enumerate(per_rank):
+        rest = m["peak_rss"] - m["baseline_rss"] - m["held"] - m["peak_engine"]
+        keys = (
+            "held",
+            "peak_gathered",
+            "peak_gather_buffers",
+            "peak_buckets",
+            "peak_full_grad",
+            "peak_pool",
+            "peak_engine",
+        )
+        rows.append([f"rank {r}", *(_mb(m[k]) for k in keys), _mb(rest)])
+    return [
+        f"gather window: {window}",
+        "memory per rank at its peak (each part's own peak; 'at once' is their most together, "
+        "counted by zero3; the rest of the RSS growth is activations, autograd and allocator):",
+        *aligned(header, rows),
+    ]
 
 
 def write_trace(path: Path, per_rank_events: list[bytes]) -> None:

@@ -141,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="Zero3Config.max_reuse_distance, 0 releases every module on exit (default: "
-        f"{Zero3Config.max_reuse_distance:,}, or the DeepSpeed config's)",
+        "auto: one fetch unit, sized from the model; or the DeepSpeed config's)",
     )
     train.add_argument(
         "--param-persistence-threshold",

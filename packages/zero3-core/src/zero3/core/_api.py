@@ -177,4 +177,10 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         peak_gathered_bytes=state.stats.peak_live_numel * el,
         pool_bytes=state.pool.cached_bytes,
         peak_rss_bytes=peak_rss_bytes(),
+        window=state.window,
+        peak_pool_bytes=state.pool.peak_cached_bytes,
+        peak_gather_buffer_bytes=state.pool.peak_kind_bytes.get("gather", 0),
+        peak_bucket_bytes=state.pool.peak_kind_bytes.get("bucket", 0),
+        peak_full_grad_bytes=state.reducer.peak_grad_bytes,
+        peak_engine_bytes=state.pool.peak_bytes,
     )

@@ -13,6 +13,7 @@ minor versions.
 from zero3.core._api import sharded_param
 from zero3.core.config._config import is_persistent
 from zero3.core.config._leaves import LeafTarget, match_leaf_modules
+from zero3.core.config._window import GatherWindow, resolve_window
 from zero3.core.construct._empty import empty_init
 from zero3.core.construct._sources import open_weight_source
 from zero3.core.diag._guard import Moment, OpKind, Phase
@@ -65,6 +66,7 @@ __all__ = [
     "CheckpointStorageReader",
     "CheckpointStorageWriter",
     "DiscretePath",
+    "GatherWindow",
     "GradBucket",
     "LeafTarget",
     "Moment",
@@ -94,6 +96,7 @@ __all__ = [
     "open_weight_source",
     "quiet_dcp_warnings",
     "raise_on_every_rank",
+    "resolve_window",
     "sharded_like",
     "sharded_param",
     "sharded_state",

@@ -37,15 +37,15 @@ def generates(cls: type) -> bool:
 
 
 def window_bytes(state: ShardedModelState) -> int | None:
-    """The bytes ``generate`` keeps gathered: the reuse window, or None (all) when the
-    whole model fits in it.
+    """The bytes ``generate`` keeps gathered: the model's resolved gather window
+    (``min(reuse, live)`` elements of :attr:`ShardedModelState.window`, what a training
+    step may keep gathered already), or None (all) when the whole model fits in it.
     """
-    config = state.config
-    numel = min(config.max_reuse_distance, config.max_live_parameters)
-    sharded = [sp for sp in state.params if not sp.persistent]
-    if sum(sp.numel for sp in sharded) <= numel:
+    window = state.window
+    numel = min(window.reuse_numel, window.live_numel)
+    if window.sharded_numel <= numel:
         return None
-    return numel * max(sp.shard.element_size() for sp in sharded)
+    return numel * window.element_size
 
 
 class ShardedGeneration(ShardedModule):

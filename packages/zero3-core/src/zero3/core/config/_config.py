@@ -54,17 +54,27 @@ def _parse_dtype(field: str, value: object) -> torch.dtype | None:
 class Zero3Config:
     """Configuration of a sharded model and its optimizer.
 
-    ZeRO fields keep DeepSpeed's names and defaults; :meth:`from_deepspeed` maps a
-    DeepSpeed JSON config onto them. Sizes count elements, not bytes.
+    ZeRO fields keep DeepSpeed's names and, except for the gather window, its
+    defaults; :meth:`from_deepspeed` maps a DeepSpeed JSON config onto them. Sizes count
+    elements, not bytes.
+
+    The gather window (:attr:`prefetch_bucket_size`, :attr:`max_live_parameters`,
+    :attr:`max_reuse_distance`, :attr:`overlap_chunk_size`) defaults to ``None``:
+    "auto", sized from the sharded model when it is sharded (its largest fetch unit;
+    the rule is :func:`~zero3.core.engine.resolve_window`), so that a model of any size
+    keeps a bounded window gathered. A value given here (or in a DeepSpeed config) wins.
 
     Attributes:
-        prefetch_bucket_size: Most elements one prefetch gathers ahead of use.
+        prefetch_bucket_size: Most elements one prefetch gathers ahead of use
+            (None: auto).
         max_live_parameters: Prefetching never raises the elements of gathered
-            (non-persistent) parameters above this; only the module being run may.
+            (non-persistent) parameters above this; only the module being run may
+            (None: auto).
         max_reuse_distance: On module exit, parameters used again within this many
-            elements ahead in the trace (forward *and* backward) stay gathered. With the
-            default, a small model stays whole from forward through backward, as in
-            DeepSpeed; ``0`` releases every module's parameters on exit.
+            elements ahead in the trace (forward *and* backward) stay gathered
+            (None: auto, one fetch unit: what the turn from forward into backward
+            reuses at once). DeepSpeed's 10**9 keeps a small model whole from forward
+            through backward; ``0`` releases every module's parameters on exit.
         param_persistence_threshold: Parameters with at most this many elements stay
             whole on every rank ("persistent"); they are refreshed after each step.
         reduce_bucket_size: Elements per gradient bucket (one collective each).
@@ -73,10 +83,11 @@ class Zero3Config:
             bucket is reduced (the discrete path).
         overlap_comm: Gathers and reductions run asynchronously alongside compute.
         overlap_chunk_size: With :attr:`overlap_comm`, most elements one overlapped
-            collective carries: a gradient bucket is reduced in chunks of this size as
-            its gradients arrive, and a prefetch is issued as gathers of this size split
-            at module boundaries, so compute waits for the first chunk only, not for
-            the whole bucket (see :ref:`overlap chunks <overlap-chunks>`). Not a DeepSpeed field.
+            collective carries (None: auto, from the largest fetch unit): a gradient
+            bucket is reduced in chunks of this size as its gradients arrive, and a
+            prefetch is issued as gathers of this size split at module boundaries, so
+            compute waits for the first chunk only, not for the whole bucket (see
+            :ref:`overlap chunks <overlap-chunks>`). Not a DeepSpeed field.
         sub_group_size: Elements per optimizer sub-group (fp32 master chunk).
         backend: Comm backend name for :func:`zero3.comm.create_backend` (``"auto"``).
         leaf_modules: Modules whose whole subtree is gathered on entry and released on
@@ -111,14 +122,14 @@ class Zero3Config:
             ``"zero_optimization.offload_param"``), with the file's values.
     """
 
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
+    prefetch_bucket_size: int | None = None
+    max_live_parameters: int | None = None
+    max_reuse_distance: int | None = None
     param_persistence_threshold: int = 100_000
     reduce_bucket_size: int = 500_000_000
     contiguous_gradients: bool = True
     overlap_comm: bool = True
-    overlap_chunk_size: int = 4_194_304
+    overlap_chunk_size: int | None = None
     sub_group_size: int = 1_000_000_000
     backend: str = "auto"
     leaf_modules: tuple[LeafTarget, ...] = ()
@@ -136,17 +147,19 @@ class Zero3Config:
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in (
-            "prefetch_bucket_size",
-            "max_live_parameters",
-            "max_reuse_distance",
-            "param_persistence_threshold",
-            "initial_scale_power",
-        ):
+        for name in ("prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
+            value = getattr(self, name)
+            if value is not None:  # None: auto (sized from the model when sharded)
+                self._set(name, check_int(f"Zero3Config.{name}", value, minimum=0))
+        if self.overlap_chunk_size is not None:
+            self._set(
+                "overlap_chunk_size",
+                check_int("Zero3Config.overlap_chunk_size", self.overlap_chunk_size, minimum=1),
+            )
+        for name in ("param_persistence_threshold", "initial_scale_power"):
             self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=0))
         for name in (
             "reduce_bucket_size",
-            "overlap_chunk_size",
             "sub_group_size",
             "loss_scale_window",
             "hysteresis",

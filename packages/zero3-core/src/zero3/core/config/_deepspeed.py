@@ -126,9 +126,12 @@ def _read(reading: _Reading, prefix: str, section: Mapping[str, Any],
                 continue
             value = spec.default
             why = spec.auto or "DeepSpeed's default"
-            shown = "its defaults (off)" if value is None else _fmt(value)
+            if value is None and spec.field is not None:
+                shown = "sized from the model"  # the gather window (GatherWindow)
+            else:
+                shown = "its defaults (off)" if value is None else _fmt(value)
             reading.choose(label, spec.field or spec.about, f'"auto" -> {shown} ({why})')
-            if value is None:  # a section: DeepSpeed drops an "auto" one
+            if value is None:  # a section (DeepSpeed drops an "auto" one), or auto
                 continue
         values[key] = value = spec.check(label, value)
         if isinstance(raw, int | float) and value != raw and spec.field is not None:

@@ -279,12 +279,17 @@ def same_setting_twice(section: Mapping[str, Any], table: Mapping[str, Key]) -> 
     return []
 
 
+#: Why an "auto" (or absent) gather-window key is not DeepSpeed's absolute default.
+_WINDOW_AUTO = (
+    "zero3 sizes the gather window from the model when it is sharded instead of "
+    "DeepSpeed's absolute default; see GatherWindow"
+)
+
 ZERO: dict[str, Key] = {
     **_k("stage", check=_stage, default=0, active=_always),
     **_aka(
         "stage3_prefetch_bucket_size", "prefetch_bucket_size",
-        check=_ints(0), field="prefetch_bucket_size", default=50_000_000,
-        auto="the HF Trainer would use 0.9 * hidden_size**2 of the model",
+        check=_ints(0), field="prefetch_bucket_size", default=None, auto=_WINDOW_AUTO,
     ),
     **_aka(
         "stage3_param_persistence_threshold", "param_persistence_threshold",
@@ -293,11 +298,11 @@ ZERO: dict[str, Key] = {
     ),
     **_aka(
         "stage3_max_live_parameters", "max_live_parameters",
-        check=_ints(0), field="max_live_parameters", default=1_000_000_000,
+        check=_ints(0), field="max_live_parameters", default=None, auto=_WINDOW_AUTO,
     ),
     **_aka(
         "stage3_max_reuse_distance", "max_reuse_distance",
-        check=_ints(0), field="max_reuse_distance", default=1_000_000_000,
+        check=_ints(0), field="max_reuse_distance", default=None, auto=_WINDOW_AUTO,
     ),
     **_k(
         "reduce_bucket_size", check=_size_at_least_one, field="reduce_bucket_size",

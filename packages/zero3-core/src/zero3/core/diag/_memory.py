@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from zero3.core.config._config import Zero3Config, is_persistent
+from zero3.core.config._window import GatherWindow, resolve_window
 
 __all__ = [
     "MemoryStats",
@@ -94,6 +95,17 @@ class MemoryStats:
         pool_bytes: Communication and parameter buffers cached for reuse.
         peak_rss_bytes: The process's peak resident set (everything: model state,
             activations, buffers, the interpreter and libraries).
+        window: The model's resolved gather window (its chosen sizes and bounds).
+        peak_pool_bytes: Most bytes the buffer pool cached at once since sharding.
+        peak_gather_buffer_bytes: Most bytes of gather receive buffers in use at once.
+        peak_bucket_bytes: Most bytes of gradient bucket buffers in use at once.
+        peak_full_grad_bytes: The largest full gradient autograd handed to zero3 before
+            its reduction (each is copied into its bucket and dropped on arrival).
+        peak_engine_bytes: Most bytes zero3's transient memory held at once: gathered
+            parameters, gather and bucket buffers in use and the pool's cache together
+            (counted by zero3, independent of the allocator). With :attr:`held_bytes`
+            this is what zero3 holds at its peak; the rest of the resident set is
+            activations, autograd's gradients, the interpreter and allocator slack.
     """
 
     world_size: int
@@ -107,6 +119,27 @@ class MemoryStats:
     peak_gathered_bytes: int
     pool_bytes: int
     peak_rss_bytes: int
+    window: GatherWindow | None = None
+    peak_pool_bytes: int = 0
+    peak_gather_buffer_bytes: int = 0
+    peak_bucket_bytes: int = 0
+    peak_full_grad_bytes: int = 0
+    peak_engine_bytes: int = 0
+
+    def breakdown(self) -> dict[str, int]:
+        """Where this rank's memory goes, in bytes: the model state, then each part of
+        zero3's transient memory at its own peak (they need not peak together; their
+        sum at once is :attr:`peak_engine_bytes`).
+        """
+        return {
+            "model state (held)": self.held_bytes,
+            "gathered parameters (peak)": self.peak_gathered_bytes,
+            "gather buffers (peak)": self.peak_gather_buffer_bytes,
+            "gradient buckets (peak)": self.peak_bucket_bytes,
+            "full gradient before reduction (largest)": self.peak_full_grad_bytes,
+            "buffer pool cache (peak)": self.peak_pool_bytes,
+            "zero3 transient at once (peak)": self.peak_engine_bytes,
+        }
 
     @property
     def held_bytes(self) -> int:
@@ -133,6 +166,14 @@ class ModelStatesEstimate:
         unsharded_bytes: The same state in one unsharded process.
         largest_module_bytes: The largest module's own parameters, whole: what one
             module's gather adds while it runs (``max_reuse_distance=0``).
+        window: The gather window the model would get (None for a parameter count at
+            world 1, or where nothing is gathered).
+        window_bytes: The most parameter bytes gathered at once
+            (:attr:`GatherWindow.bound_bytes`).
+        pool_bytes: The buffer pool's bound (:attr:`GatherWindow.pool_bytes`).
+        buffer_bytes: Gather and bucket buffers in use on top of the gathered
+            parameters: one gather being copied out and five buckets (four reductions
+            in flight and the one filling), each a chunk or the largest parameter.
     """
 
     world_size: int
@@ -143,11 +184,28 @@ class ModelStatesEstimate:
     optimizer_bytes: int
     unsharded_bytes: int
     largest_module_bytes: int
+    window: GatherWindow | None = None
+    window_bytes: int = 0
+    pool_bytes: int = 0
+    buffer_bytes: int = 0
 
     @property
     def per_rank_bytes(self) -> int:
         """The model state per rank (parameters, gradients, masters, optimizer state)."""
         return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """The most zero3's transient memory holds at once (a bound for
+        :attr:`MemoryStats.peak_engine_bytes`): the gathered window, the buffers in use
+        and the pool's cache.
+        """
+        return self.window_bytes + self.buffer_bytes + self.pool_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Model state plus transient memory per rank (activations not included)."""
+        return self.per_rank_bytes + self.transient_bytes
 
 
 def _param_list(
@@ -158,11 +216,7 @@ def _param_list(
         if model < 0:
             raise ValueError(f"estimate_model_states: a parameter count must be >= 0, got {model}")
         return [(model, torch.float32, True)], model * 4
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            "estimate_model_states expects an nn.Module (on the meta device is fine) or a "
-            f"parameter count, got {type(model).__name__}"
-        )
+    _check_module(model)
     params = [(p.numel(), p.dtype, p.requires_grad) for p in model.parameters()]
     largest = max(
         (
@@ -172,6 +226,56 @@ def _param_list(
         default=0,
     )
     return params, largest
+
+
+def _check_module(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            "estimate_model_states expects an nn.Module (on the meta device is fine) or a "
+            f"parameter count, got {type(model).__name__}"
+        )
+
+
+def _window_estimate(
+    model: nn.Module | int, world_size: int, config: Zero3Config, el: int
+) -> tuple[GatherWindow | None, int]:
+    """The gather window a model would get (each module's own parameters a fetch unit,
+    as without leaf modules), and the buffers in use beside it.
+    """
+    if world_size == 1:
+        return None, 0
+    if isinstance(model, int):
+        units = [] if is_persistent(model, world_size, config) else [model]
+    else:
+        units = [
+            sum(p.numel() for p in m.parameters(recurse=False)
+                if not is_persistent(p.numel(), world_size, config))
+            for m in model.modules()
+        ]  # fmt: skip
+    sizes = (
+        [model]
+        if isinstance(model, int)
+        else [
+            p.numel()
+            for p in model.parameters()
+            if not is_persistent(p.numel(), world_size, config)
+        ]
+    )
+    sharded = sum(sizes)
+    if not sharded:
+        return None, 0
+    shard_bytes = 2 * sum(-(-n // world_size) for n in sizes) * el
+    window = resolve_window(
+        config, units, sharded_numel=sharded, element_size=el, world_size=world_size,
+        shard_bytes=shard_bytes,
+    )  # fmt: skip
+    # One gather being copied out (receive buffer beside the storages it fills), and
+    # the buckets in use: four reductions in flight and the one filling, each a chunk
+    # or, for a parameter larger than a chunk, that parameter's own bucket.
+    unit_bytes = window.unit_numel * el
+    bucket = max(window.chunk_numel, max(sizes)) * el
+    buffers = unit_bytes + unit_bytes // world_size + 5 * bucket
+    return window, buffers
 
 
 def estimate_model_states(
@@ -244,6 +348,10 @@ def estimate_model_states(
         held["optimizer"] += int(local * states * 4)
         unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
         unsharded += int(numel * states * 4)
+    el = max(
+        (torch.empty((), dtype=param_dtype or d).element_size() for _, d, _ in params), default=4
+    )
+    window, buffers = _window_estimate(model, world_size, config, el)
     return ModelStatesEstimate(
         world_size=world_size,
         numel=sum(n for n, _, _ in params),
@@ -253,4 +361,8 @@ def estimate_model_states(
         optimizer_bytes=held["optimizer"],
         unsharded_bytes=unsharded,
         largest_module_bytes=largest,
+        window=window,
+        window_bytes=window.bound_bytes if window else 0,
+        pool_bytes=window.pool_bytes if window else 0,
+        buffer_bytes=buffers,
     )

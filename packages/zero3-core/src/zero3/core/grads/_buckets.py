@@ -123,7 +123,7 @@ class GradBucket:
             flat = torch.empty(numel, dtype=self.dtype, device=device)
         else:
             elem = torch.empty((), dtype=self.dtype).element_size()
-            flat = pool.take(numel * elem, device).view(self.dtype)
+            flat = pool.take(numel * elem, device, kind="bucket").view(self.dtype)
         tails = flat.view(self.world_size, self.stride)[:, self.region_numel :]
         tails.copy_(fingerprint_bits(self.index, self.dtype, device).expand_as(tails))
         return flat

@@ -20,6 +20,7 @@ import torch
 
 from zero3.comm import CommBackend, ReduceOp
 from zero3.core.config._config import Zero3Config
+from zero3.core.config._window import MAX_CHUNK_NUMEL
 from zero3.core.diag._guard import FingerprintMismatchError
 from zero3.core.diag._stats import StatsBook
 from zero3.core.diag._tracer import Tracer
@@ -142,6 +143,9 @@ class GradReducer:
         defer_launches: Gradients share the parameter backend (it cannot duplicate
             itself): buckets then launch only in the epilogue, where both collective
             sequences are in the same order on every rank.
+        chunk_numel: Elements per overlapped reduction (the gather window's
+            ``chunk_numel``; default: ``config.overlap_chunk_size``, or the largest
+            auto chunk when that is auto).
 
     Attributes:
         path: The reduction strategy (:class:`~zero3.core.engine.ReducePath`).
@@ -161,9 +165,11 @@ class GradReducer:
         pool: BufferPool,
         *,
         defer_launches: bool = False,
+        chunk_numel: int | None = None,
     ) -> None:
         self.comm = comm
         self.config = config
+        self.chunk_numel = chunk_numel or config.overlap_chunk_size or MAX_CHUNK_NUMEL
         self.stats = stats
         self.pool = pool
         self.params = list(params)
@@ -180,6 +186,8 @@ class GradReducer:
             contiguous=config.contiguous_gradients,
         )
         self.tracer: Tracer | None = None
+        #: The largest full gradient autograd handed over (before its reduction).
+        self.peak_grad_bytes = 0
         self._accumulate = False  # this backward adds to the window's gradient shards
         self._in_epilogue = False
         self._inflight: collections.deque[_Inflight] = collections.deque()
@@ -193,7 +201,10 @@ class GradReducer:
     def replan(self, leaf_of: Mapping[int, int]) -> None:
         """Rebuild the buckets (leaf markings or dtypes changed); only between windows."""
         self.buckets = plan_buckets(
-            self.params, self.bucket_numel(self.config), self.config.reduce_dtype, leaf_of
+            self.params,
+            self.bucket_numel(self.config, self.chunk_numel),
+            self.config.reduce_dtype,
+            leaf_of,
         )
         self._bucket_of: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
@@ -222,7 +233,7 @@ class GradReducer:
         self.path = path
 
     @staticmethod
-    def bucket_numel(config: Zero3Config) -> int:
+    def bucket_numel(config: Zero3Config, chunk_numel: int) -> int:
         """Elements per planned bucket: ``reduce_bucket_size``, in overlap chunks.
 
         Note (overlap chunks):
@@ -231,12 +242,12 @@ class GradReducer:
             5e8 puts a whole mid-sized model in one bucket that can only leave when
             backward is over, so none of the reduction overlaps compute. With
             ``overlap_comm`` a bucket is therefore cut into chunks of at most
-            ``overlap_chunk_size`` elements, each reduced as soon as its members
+            ``chunk_numel`` elements (``overlap_chunk_size``), each reduced as soon as its members
             arrived (in index order): the same bytes, a few more collectives, and the
             wire busy while backward still runs.
         """
         if config.overlap_comm:
-            return min(config.reduce_bucket_size, config.overlap_chunk_size)
+            return min(config.reduce_bucket_size, chunk_numel)
         return config.reduce_bucket_size
 
     def _reset_backward(self) -> None:
@@ -294,6 +305,7 @@ class GradReducer:
         if position is None:
             return  # not trainable at setup (frozen): not part of any bucket
         self._arrived[position] = 1
+        self.peak_grad_bytes = max(self.peak_grad_bytes, grad.numel() * grad.element_size())
         bucket, k = self._bucket_of[sp.index]
         if self.comm.world_size == 1:
             self._whole.add(sp, grad, bucket.dtype)

@@ -13,6 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero3.comm import CommBackend, ReduceOp
 from zero3.core.config._config import Zero3Config, is_persistent
 from zero3.core.config._leaves import match_leaf_modules
+from zero3.core.config._window import GatherWindow
 from zero3.core.construct._materialize import (
     Checkpoint,
     Materializer,
@@ -100,6 +101,7 @@ class ShardedModelState:
         self.comm = comm
         self.grad_comm = _duplicate(comm)
         self.stats = StatsBook(comm.world_size)
+        self._window_logged = False
         self.modules = list(module.named_modules())
         # Headers before size-dependent collectives travel on a host channel of their own.
         self.control = comm.host_channel()
@@ -109,12 +111,13 @@ class ShardedModelState:
         self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
-        self.pool = BufferPool(limit_bytes=self._first_pool_limit())
+        self.pool = BufferPool(limit_bytes=0)
         self.coordinator = ParamCoordinator(
             comm, config, self.modules, self._direct_params(), self.stats, self.pool, self.guard
         )
         self._apply_leaves()
         self._apply_pending_externals()
+        self._resolve_window()
         self.reducer = GradReducer(
             self.grad_comm,
             config,
@@ -123,6 +126,7 @@ class ShardedModelState:
             self.stats,
             self.pool,
             defer_launches=self.grad_comm is comm,
+            chunk_numel=self.window.chunk_numel,
         )
         self.sync = ModelSync(module, self.params, comm, self.guard, self.coordinator, self.stats)
         self.step = TrainingStep(
@@ -264,27 +268,31 @@ class ShardedModelState:
             sp.set_status(ParamStatus.NOT_AVAILABLE)
         return sp
 
-    def _first_pool_limit(self) -> int:
-        """What the buffer pool may cache before the first step has measured its working set.
-
-        The largest buffers a step needs at once: a whole-model gather (its receive buffer,
-        the model's bytes, plus the send buffer, 1/N of that); the gradient bucket reuses
-        them (best fit). A configuration that keeps fewer parameters gathered
-        (``max_live_parameters`` plus one prefetch bucket, or the largest parameter if
-        that is more) bounds it further, as the end of each step does with the measured
-        peak: otherwise the first step of a model whose parameters differ in size could
-        cache a released storage of every size, the whole model. See BufferPool.
+    @property
+    def window(self) -> GatherWindow:
+        """The resolved gather window (prefetch, live, reuse and chunk sizes) every
+        gather, release, reduction chunk, ``unsharded`` block and ``generate`` follows.
         """
-        world = self.comm.world_size
-        model_bytes = sum(sp.padded_numel * sp.shard.element_size() for sp in self.params)
-        whole = model_bytes + model_bytes // world + (1 << 20)
-        if not self.params:
-            return whole
-        elem = max(sp.shard.element_size() for sp in self.params)
-        largest = max(sp.padded_numel * sp.shard.element_size() for sp in self.params)
-        live = self.config.max_live_parameters + self.config.prefetch_bucket_size
-        peak = max(largest, live * elem)
-        return min(whole, 2 * peak + peak // world + (1 << 20))
+        return self.coordinator.window
+
+    def _resolve_window(self) -> None:
+        """Size the gather window from the model's fetch units (at shard time, and again
+        when leaf modules change them), bound the buffer pool by it, and log it once.
+
+        Before the first step has measured its working set, the pool may cache what the
+        window's bound allows (:attr:`GatherWindow.pool_bytes`): otherwise the first step
+        of a model whose parameters differ in size could cache a released storage of
+        every size, the whole model. See BufferPool.
+        """
+        window = self.coordinator.resolve_window()
+        changed = window != self.coordinator.window or not self._window_logged
+        self.coordinator.window = window
+        self.pool.limit_bytes = window.pool_bytes
+        if changed and self.comm.rank == 0 and self.comm.world_size > 1:
+            _log.info(
+                "zero3: gather window of %s: %s", type(self.module).__name__, window.describe()
+            )
+        self._window_logged = True
 
     def _apply_leaves(self) -> None:
         matched = match_leaf_modules(
@@ -334,6 +342,8 @@ class ShardedModelState:
                 "window; change them before backward or after the optimizer step"
             )
         self.coordinator.set_leaf(self.coordinator.index_of(module), leaf)
+        self._resolve_window()
+        self.reducer.chunk_numel = self.window.chunk_numel
         self.reducer.replan(self.coordinator.leaf_of())
         for trace in self.coordinator.traces.values():
             trace.invalidate()
@@ -357,8 +367,8 @@ class ShardedModelState:
 
     def open_unsharded(self, max_bytes: int | None) -> UnshardedPlan:
         """Begin a ``zero3.hooks.unsharded`` block (a collective): plan what it keeps
-        gathered (``zero3.core.model._unshard``) and gather it in runs of at most
-        ``prefetch_bucket_size`` elements (their headers check every rank does the same).
+        gathered (``zero3.core.model._unshard``) and gather it in runs of at most the
+        window's prefetch elements (their headers check every rank does the same).
 
         Raises:
             RuntimeError: A block or a step is open (:meth:`TrainingStep.enter_unsharded`).
@@ -373,7 +383,7 @@ class ShardedModelState:
             # parameters, so ranks entering different blocks (or one not entering) fail.
             self.coordinator.traces["unsharded"].invalidate()
             self.coordinator.cap_bytes = plan.cap_bytes
-            for piece in chunks(plan.pinned, max(1, self.config.prefetch_bucket_size)):
+            for piece in chunks(plan.pinned, max(1, self.window.prefetch_numel)):
                 pinned.extend(piece)
                 self.pin(piece, UNSHARDED)
         except BaseException:

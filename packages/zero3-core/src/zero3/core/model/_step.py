@@ -320,6 +320,7 @@ class TrainingStep:
             return
         if not self._tasks:
             self._reducer.begin_backward(accumulate=self._micro_steps > 0)
+            self._coordinator.begin_backward()  # the turn: forward's cached buffers go
         self._tasks.append(task)
         Variable._execution_engine.queue_callback(functools.partial(self._task_done, task))
 

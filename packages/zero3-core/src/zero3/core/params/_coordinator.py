@@ -4,8 +4,8 @@ Note (fetch in three steps):
     ``fetch_sub_module`` (1) starts one coalesced gather of the module's parameters
     that are not on this rank, (2) waits for them and for any prefetch already
     carrying the rest, then (3) once the trace is COMPLETE prefetches what comes next
-    in trace order, up to ``prefetch_bucket_size`` elements, never past
-    ``max_live_parameters`` live elements, with at most two prefetches in flight
+    in trace order, up to the window's prefetch elements (``prefetch_bucket_size``),
+    never past its live elements (``max_live_parameters``), with at most two prefetches in flight
     (each gather holds its buffers from the moment it is issued, so a host that
     queued gathers without bound would pin their memory long before use). One
     prefetch leaves as several gathers cut at module boundaries (overlap chunks,
@@ -43,6 +43,7 @@ from torch import nn
 
 from zero3.comm import CommBackend
 from zero3.core.config._config import Zero3Config
+from zero3.core.config._window import GatherWindow, resolve_window
 from zero3.core.diag._guard import CollectiveGuard, Moment, Op, OpKind, Phase, waiting_for
 from zero3.core.diag._stats import StatsBook
 from zero3.core.diag._tracer import Tracer
@@ -181,6 +182,11 @@ class ParamCoordinator:
         pool: Reusable gather buffers.
         guard: Exchanges a header before each gather (see the guard's Note); without
             one, gathers are checked by their in-band fingerprints, once per step.
+
+    Attributes:
+        window: The resolved gather window every prefetch, release and chunk follows
+            (:meth:`resolve_window` sets it from the fetch units; the model state calls
+            it once the leaves are known).
     """
 
     def __init__(
@@ -228,6 +234,7 @@ class ParamCoordinator:
         self.live_bytes = 0
         self._high_bytes = 0  # most gathered bytes at once in this step
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
+        self.window: GatherWindow = self.resolve_window()
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
         #: With a bound (``zero3.hooks.unsharded(max_bytes=...)``): prefetches never take
         #: the gathered bytes past it, and modules release on exit (no reuse window).
@@ -327,6 +334,24 @@ class ParamCoordinator:
         self._fetch_sets[module_index] = result
         return result
 
+    def resolve_window(self) -> GatherWindow:
+        """The gather window of this model now: the config's values, and for the auto
+        ones the rule of ``zero3.core.config._window`` from the current fetch units.
+        """
+        sharded = [sp for ps in self._direct for sp in ps if not sp.persistent]
+        elem = max((sp.shard.element_size() for sp in sharded), default=4)
+        units = (sum(sp.numel for sp in self.fetch_set(i)) for i in self.hooked_modules())
+        world = self.comm.world_size
+        shard_bytes = 2 * sum(sp.shard_numel * sp.shard.element_size() for sp in sharded)
+        return resolve_window(
+            self.config,
+            units,
+            sharded_numel=self._sharded_numel,
+            element_size=elem,
+            world_size=world,
+            shard_bytes=shard_bytes,
+        )
+
     # -- passes (the training step opens and ends them) ------------------------------------
 
     def begin_pass(self, training: bool, trace: str | None = None) -> None:
@@ -369,10 +394,19 @@ class ParamCoordinator:
         self._structure_changed = False
         if self._high_bytes:
             # Keep what this step used at once: its gathered parameters, their gather
-            # buffers (receive + send) — and nothing more (see BufferPool).
+            # buffers (receive + send) — and never more than the window's pool bound
+            # (see BufferPool).
             peak = self._high_bytes
-            self.pool.limit_bytes = 2 * peak + peak // self.comm.world_size + (1 << 20)
+            used = 2 * peak + peak // self.comm.world_size + (1 << 20)
+            self.pool.limit_bytes = min(used, self.window.pool_bytes)
             self._high_bytes = self.live_bytes
+
+    def begin_backward(self) -> None:
+        """Forward turned into backward: empty the buffer pool (see BufferPool's Note,
+        "the turn"). Backward's first gathers allocate afresh, and what they release
+        is cached again for the rest of backward.
+        """
+        self.pool.clear()
 
     def _count_invalidation(self, reason: str) -> None:
         self.stats.current.trace_invalidations += 1
@@ -417,7 +451,7 @@ class ParamCoordinator:
         params = self.fetch_set(index)
         keep: frozenset[int] = frozenset()
         if self.trace.state is TraceState.COMPLETE and not self.diverged and self.cap_bytes is None:
-            keep = self.trace.reused_within(self.position, index, self.config.max_reuse_distance)
+            keep = self.trace.reused_within(self.position, index, self.window.reuse_numel)
         for sp in params:
             sp.holds = max(0, sp.holds - 1)
             if sp.holds == 0 and sp.index not in keep:
@@ -646,11 +680,8 @@ class ParamCoordinator:
         ):
             return
         if self.live_numel >= self._sharded_numel:
-            return  # everything is gathered already (the default window keeps all)
-        budget = min(
-            self.config.prefetch_bucket_size,
-            self.config.max_live_parameters - self.live_numel,
-        )
+            return  # everything is gathered already (a window as large as the model)
+        budget = min(self.window.prefetch_numel, self.window.live_numel - self.live_numel)
         room = None if self.cap_bytes is None else self.cap_bytes - self.live_bytes
         trace = self.trace
         order = trace.param_order
@@ -698,7 +729,7 @@ class ParamCoordinator:
             boundaries, each module waits only for the chunk holding its parameters
             while the later chunks are still on the wire.
         """
-        limit = self.config.overlap_chunk_size if self.config.overlap_comm else None
+        limit = self.window.chunk_numel if self.config.overlap_comm else None
         pieces: list[tuple[int, list[ShardedParam]]] = []
         size, last_position = 0, -1
         for sp, position in chosen:
