@@ -28,7 +28,7 @@ def test_auto_window_follows_the_largest_fetch_unit():
     assert w.unit_numel == U
     assert w.auto == {"prefetch_numel", "live_numel", "reuse_numel", "chunk_numel"}
     assert w.bound_numel == 2 * U + U + 2 * U < 20 * U  # a bounded part of the model
-    assert w.pool_bytes == 2 * (4 * U + 4 * U // 4) + (1 << 20)
+    assert w.pool_bytes == 2 * 4 * U + 4 * U // 4 + (1 << 20)  # two receive, one send
     assert "max_reuse_distance=" in w.describe() and "(auto)" in w.describe()
 
 

@@ -95,12 +95,12 @@ class GatherWindow:
 
     @property
     def pool_bytes(self) -> int:
-        """The buffer pool's bound: the gathered bytes of two prefetch windows (each a
-        unit at least) with their send buffers (``1/N`` of it), never more than the
-        parameter and gradient shards this rank holds.
+        """The buffer pool's bound: the receive buffers of two prefetch windows (each the
+        largest fetch unit at least) and one send buffer (``1/N`` of a window), never more
+        than the parameter and gradient shards this rank holds.
         """
         window = max(self.prefetch_numel, self.unit_numel) * self.element_size
-        two = 2 * (window + window // max(1, self.world_size)) + (1 << 20)
+        two = 2 * window + window // max(1, self.world_size) + (1 << 20)
         return min(two, self.shard_bytes)
 
     def describe(self) -> str:

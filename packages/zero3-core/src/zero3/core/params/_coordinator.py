@@ -234,11 +234,22 @@ class ParamCoordinator:
         self.live_bytes = 0
         self._high_bytes = 0  # most gathered bytes at once in this step
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
-        self.window: GatherWindow = self.resolve_window()
+        self.window = self.resolve_window()
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
         #: With a bound (``zero3.hooks.unsharded(max_bytes=...)``): prefetches never take
         #: the gathered bytes past it, and modules release on exit (no reuse window).
         self.cap_bytes: int | None = None
+
+    @property
+    def window(self) -> GatherWindow:
+        """The resolved gather window every prefetch, release and chunk follows."""
+        return self._window
+
+    @window.setter
+    def window(self, window: GatherWindow) -> None:
+        self._window = window
+        # Read at every step's end: kept as a number, not recomputed per step.
+        self._pool_bound = window.pool_bytes
 
     @staticmethod
     def _child_lists(modules: Sequence[tuple[str, nn.Module]]) -> list[list[int]]:
@@ -398,7 +409,7 @@ class ParamCoordinator:
             # (see BufferPool).
             peak = self._high_bytes
             used = 2 * peak + peak // self.comm.world_size + (1 << 20)
-            self.pool.limit_bytes = min(used, self.window.pool_bytes)
+            self.pool.limit_bytes = min(used, self._pool_bound)
             self._high_bytes = self.live_bytes
 
     def begin_backward(self) -> None:
