@@ -30,6 +30,16 @@ from zero3.core.files._format import (
 )
 from zero3.core.files._ranks import raise_on_every_rank
 from zero3.core.files._reader import CheckpointReader
+from zero3.core.files._swap import (
+    AlignedBuffer,
+    IOPool,
+    SwapError,
+    SwapFile,
+    check_free_space,
+    make_swap_dir,
+    resident_pages,
+    round_up,
+)
 from zero3.core.grads._buckets import GradBucket
 from zero3.core.grads._reduce_paths import (
     AllReducePath,
@@ -57,6 +67,9 @@ __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "CHECKPOINT_LAYOUT",
     "STREAMED",
+    "SwapError",
+    "SwapFile",
+    "AlignedBuffer",
     "AllReducePath",
     "BufferPool",
     "CheckpointLayout",
@@ -66,6 +79,7 @@ __all__ = [
     "CheckpointStorageWriter",
     "DiscretePath",
     "GradBucket",
+    "IOPool",
     "LeafTarget",
     "Moment",
     "OpKind",
@@ -81,6 +95,7 @@ __all__ = [
     "TrainingStep",
     "UnshardedPlan",
     "check_checkpoint_dir",
+    "check_free_space",
     "checkpoint_group",
     "clone_state_dict",
     "empty_init",
@@ -88,12 +103,15 @@ __all__ = [
     "in_backward",
     "is_persistent",
     "load_full_state_dict",
+    "make_swap_dir",
     "local_flat",
     "mark_leaf",
     "match_leaf_modules",
     "open_weight_source",
     "quiet_dcp_warnings",
     "raise_on_every_rank",
+    "resident_pages",
+    "round_up",
     "sharded_like",
     "sharded_param",
     "sharded_state",
