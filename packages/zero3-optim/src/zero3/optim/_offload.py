@@ -227,6 +227,11 @@ class OffloadStore:
         return self._dir
 
     @property
+    def direct_io(self) -> bool:
+        """Whether every swap file is read and written with ``O_DIRECT``."""
+        return all(s.file.direct for s in self._slots.values())
+
+    @property
     def nvme(self) -> bool:
         """Whether state moves to swap files (``device: nvme`` with something offloaded)."""
         return bool(self._slots)
@@ -393,7 +398,6 @@ class OffloadStore:
         offloaded ones in ahead and out behind; all writes done on return.
         """
         start = time.perf_counter()
-        self.stats = OffloadStats()
         error: BaseException | None = None
         try:
             for slot in self._slots.values():

@@ -29,7 +29,7 @@ from zero3.comm import ReduceOp
 from zero3.core.engine import ShardedModelState, ShardedParam, sharded_param, sharded_state
 from zero3.optim import _optim_checkpoint
 from zero3.optim._loss_scale import LossScaler
-from zero3.optim._offload import OffloadStore
+from zero3.optim._offload import OffloadStats, OffloadStore
 
 __all__ = ["PartitionedOptimizer", "SubGroup"]
 
@@ -222,11 +222,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def master_shards(self) -> list[torch.Tensor]:
         """Every optimized parameter's fp32 master shard (this rank's real elements), in
         parameter-group order: the tensors the wrapped optimizer steps (unless ``flat``).
+        Offloaded masters are read back first (they stay in memory until the next step).
         """
+        self._bring_in()
         return [view for sg in self._subgroups for view in sg.views]
 
     def master_shard(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master shard (this rank's real elements) of a model parameter."""
+        """The fp32 master shard (this rank's real elements) of a model parameter
+        (offloaded masters are read back first).
+        """
+        self._bring_in()
         sp = sharded_param(param)
         for sg in self._subgroups:
             for member, view in zip(sg.params, sg.views, strict=True):
@@ -327,6 +332,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         tracer = self._zstate.tracer
         start = tracer.now_us() if tracer is not None else 0.0
+        if self._offload is not None:
+            self._offload.stats = OffloadStats()  # this step's (none if it is skipped)
         try:
             # Edits made to whole parameters since the last step reach the masters first.
             self._zstate.synchronize()
@@ -426,8 +433,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """The masters, the wrapped optimizer and the scaler (for checkpoints); offloaded
         state is read back first (it stays in memory until the next step).
         """
-        if self._offload is not None and self._offload.nvme:
-            self._offload.bring_all_in()
+        self._bring_in()
         return _optim_checkpoint.OptimizerParts(
             self._subgroups, self.flat, self.optimizer, self.scaler
         )
@@ -485,6 +491,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._write_back()
             self._offload_again()
+
+    def _bring_in(self) -> None:
+        if self._offload is not None and self._offload.nvme:
+            self._offload.bring_all_in()
 
     def _offload_again(self) -> None:
         """Loaded state goes back to its swap files (nothing held between steps)."""
