@@ -16,7 +16,7 @@ from torch import nn
 from zero3.comm import CommBackend
 from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes
 from zero3.core.engine import sharded_state
-from zero3.optim import PartitionedOptimizer
+from zero3.optim import OffloadStats, PartitionedOptimizer
 
 METRICS = [
     "peak_rss",
@@ -37,6 +37,10 @@ METRICS = [
     "hit_rate",
     "invalidations",
     "step_time",
+    "io_wait",
+    "swap_walk",
+    "swap_read",
+    "swap_written",
 ]
 
 
@@ -59,8 +63,11 @@ def rank_metrics(
     stats: StepStats,
     step_times: list[float],
     baseline_rss: int,
+    swaps: list[OffloadStats] = (),  # type: ignore[assignment]
 ) -> torch.Tensor:
-    """This rank's summary numbers (in ``METRICS`` order)."""
+    """This rank's summary numbers (in ``METRICS`` order); ``swaps``: the optimizer
+    offload's record of each step (medians are reported).
+    """
     memory = memory_stats(model, opt)
     state = sharded_state(model)
     values = [
@@ -72,6 +79,8 @@ def rank_metrics(
         1 + stats.refresh_gathers + stats.other_collectives,  # +1: the flags all-reduce
         stats.prefetch_hit_rate, state.stats.total_invalidations,
         statistics.median(step_times) if step_times else 0.0,
+        *(statistics.median(getattr(w, f) for w in swaps) if swaps else 0.0
+          for f in ("io_wait_s", "step_s", "read_bytes", "written_bytes")),
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
 
@@ -195,7 +204,24 @@ def format_summary(
         f"got-grad flags {m['flags'] * wire:.0f} B, persistent refresh {_mb(m['refresh'] * wire)}",
         f"  trace invalidations (whole run): {int(m['invalidations'])}",
     ]
+    if config.offload_optimizer.enabled:
+        lines.append(_offload_line(config, per_rank))
     return "\n".join(lines)
+
+
+def _offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
+    """Where the offloaded optimizer's time went (median step, slowest rank)."""
+    section = config.offload_optimizer
+    if section.device != "nvme":
+        return f"optimizer offload: {section.device} (state in host memory; no swap I/O)"
+    worst = max(per_rank, key=lambda r: r["io_wait"])
+    return (
+        f"optimizer offload (nvme, {section.nvme_path}, sub_group_size "
+        f"{config.sub_group_size:,}): per step, I/O wait {worst['io_wait']:.3f} s of the "
+        f"sub-group walk {worst['swap_walk']:.3f} s (the rest is stepping overlapped with "
+        f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])}, "
+        f"written {_mb(worst['swap_written'])}"
+    )
 
 
 def write_trace(path: Path, per_rank_events: list[bytes]) -> None:
