@@ -57,7 +57,9 @@ def _pair(case: str, root: str) -> dict[str, Any]:
                 initial_scale_power=8)  # fmt: skip
     shard_module(model, Zero3Config(**base), comm=comm)
     offload = {"device": device, "nvme_path": root, "buffer_count": 2}
-    shard_module(twin, Zero3Config(**base, sub_group_size=700, offload_optimizer=offload), comm=comm)
+    shard_module(
+        twin, Zero3Config(**base, sub_group_size=700, offload_optimizer=offload), comm=comm
+    )
     cls, kwargs = OPTIMIZERS[name]
     opts = [PartitionedOptimizer(m, cls, **kwargs) for m in (model, twin)]
     store = opts[1].offload

@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero3.core import ModulePath, Zero3Config
-from zero3.core import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zero3.core import (
+    AioConfig,
+    ModulePath,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    Zero3Config,
+)
 from zero3.core.config._deepspeed_keys import known_keys
 
 DATA = Path(__file__).parent / "data"
@@ -345,7 +350,8 @@ def test_offload_sections_map_onto_typed_fields(caplog, tmp_path):
     # No sub_group_size given: the offload default, small enough to pipeline.
     assert c.sub_group_size == 2_097_152
     assert set(c.extras) == {
-        "zero_optimization.offload_optimizer.super_offload", "aio.single_submit"
+        "zero_optimization.offload_optimizer.super_offload",
+        "aio.single_submit",
     }
     warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "aio.single_submit (changes speed): not applicable" in warnings
@@ -375,9 +381,11 @@ def test_bad_offload_values_name_the_key(offload, match):
 def test_offload_fields_take_mappings_and_check_them():
     c = Zero3Config(offload_optimizer={"device": "cpu"}, aio={"thread_count": 2})
     assert c.offload_optimizer.enabled and c.aio.thread_count == 2
-    with pytest.raises(ValueError, match="Zero3Config.offload_optimizer: unknown key.*'devise'"):
+    with pytest.raises(ValueError, match=r"Zero3Config\.offload_optimizer: unknown key.*'devise'"):
         Zero3Config(offload_optimizer={"devise": "cpu"})
-    with pytest.raises(ValueError, match="Zero3Config.aio.block_size must be a multiple of 4096"):
+    with pytest.raises(
+        ValueError, match=r"Zero3Config\.aio\.block_size must be a multiple of 4096"
+    ):
         Zero3Config(aio={"block_size": 1000})
     assert Zero3Config(offload_optimizer={"device": "cpu", "ratio": 0}).sub_group_size == 10**9
 

@@ -86,7 +86,7 @@ def test_a_short_read_is_an_error_never_zeros(tmp_path):
 
 def test_an_existing_file_is_never_taken_over(tmp_path):
     (tmp_path / "s.swp").write_bytes(b"someone else's")
-    with pytest.raises(SwapError, match="cannot create swap file .*s.swp"):
+    with pytest.raises(SwapError, match=r"cannot create swap file .*s\.swp"):
         SwapFile(tmp_path / "s.swp")
 
 

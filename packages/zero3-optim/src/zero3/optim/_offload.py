@@ -25,6 +25,7 @@ Note (how a step runs with ``offload_optimizer: nvme``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -52,7 +53,6 @@ from zero3.core.engine import (
 
 if TYPE_CHECKING:
     from zero3.core import OffloadOptimizerConfig
-
     from zero3.optim._optimizer import SubGroup
 
 __all__ = ["OffloadError", "OffloadStats", "OffloadStore"]
@@ -106,7 +106,7 @@ class _Slot:
     buffer: AlignedBuffer | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _say_once(message: str) -> None:
     _log.info(message)
 
@@ -255,8 +255,10 @@ class OffloadStore:
             cursor = sg.numel * 4
         for k, owner in enumerate(_owners(sg, self._flat)):
             for key, value in self._optimizer.state.get(owner, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and not _per_element(
-                    owner, value
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and not _per_element(owner, value)
                 ):
                     raise ValueError(
                         f"offload_optimizer: {type(self._optimizer).__name__} keeps state "
@@ -302,7 +304,11 @@ class OffloadStore:
         sg, owners = slot.sg, _owners(slot.sg, self._flat)
         layout, nbytes = self._layout(slot)
         old = slot.buffer
-        buf = old if old is not None and layout == slot.layout else AlignedBuffer(nbytes, pin=self._pin)
+        buf = (
+            old
+            if old is not None and layout == slot.layout
+            else AlignedBuffer(nbytes, pin=self._pin)
+        )
         for seg in layout:
             src = sg.master if seg.owner < 0 else self._optimizer.state[owners[seg.owner]][seg.key]
             assert src is not None
@@ -393,7 +399,9 @@ class OffloadStore:
 
     # -- the step walk --------------------------------------------------------------------
 
-    def run(self, batches: Sequence[Sequence[SubGroup]], step: Callable[[list[SubGroup]], None]) -> None:
+    def run(
+        self, batches: Sequence[Sequence[SubGroup]], step: Callable[[list[SubGroup]], None]
+    ) -> None:
         """Step ``batches`` (lists of sub-groups) in order with ``step``, swapping the
         offloaded ones in ahead and out behind; all writes done on return.
         """
@@ -439,9 +447,7 @@ class OffloadStore:
             codes[: len(text)] = torch.tensor(list(text), dtype=torch.float32)
         self._zstate.all_reduce(codes, ReduceOp.SUM)
         message = bytes(int(c) for c in codes.tolist() if c).decode(errors="replace")
-        raise OffloadError(
-            f"optimizer offload failed on rank {failed}: {message}"
-        ) from error
+        raise OffloadError(f"optimizer offload failed on rank {failed}: {message}") from error
 
 
 class _Walk:
@@ -534,7 +540,5 @@ def _cleanup(directory: Path | None, pool: IOPool | None, files: list[SwapFile])
     for f in files:
         f.close(unlink=True)
     if directory is not None:
-        try:
+        with contextlib.suppress(OSError):
             directory.rmdir()
-        except OSError:
-            pass

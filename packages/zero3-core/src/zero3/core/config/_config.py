@@ -149,9 +149,11 @@ class Zero3Config:
     min_loss_scale: float = 1.0
     timeout_s: float = 300.0
     sync_module_states: bool = True
-    offload_optimizer: OffloadOptimizerConfig = OffloadOptimizerConfig()
-    offload_param: OffloadParamConfig = OffloadParamConfig()
-    aio: AioConfig = AioConfig()
+    offload_optimizer: OffloadOptimizerConfig = dataclasses.field(
+        default_factory=OffloadOptimizerConfig
+    )
+    offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -276,7 +278,7 @@ class Zero3Config:
         return cls(**fields)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _param_offload_not_done(device: str) -> None:
     """Say once per process that ``offload_param`` is read but not acted on."""
     _log.warning(

@@ -39,11 +39,6 @@ from typing import Any
 import torch.distributed as dist
 
 from zero3.core.config._checks import check_clipping
-from zero3.core.config._offload import (
-    AioConfig,
-    OffloadOptimizerConfig,
-    OffloadParamConfig,
-)
 from zero3.core.config._deepspeed_keys import (
     AIO,
     AUTO,
@@ -60,6 +55,11 @@ from zero3.core.config._deepspeed_keys import (
     mapping,
     no_unknown,
     same_setting_twice,
+)
+from zero3.core.config._offload import (
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
 )
 
 __all__ = ["fields_from_deepspeed", "first_rank"]

@@ -182,9 +182,7 @@ def as_section(label: str, cls: type[_S], value: object) -> _S:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(
-                f"{label}: unknown key(s) {unknown}; the section has {sorted(known)}"
-            )
+            raise ValueError(f"{label}: unknown key(s) {unknown}; the section has {sorted(known)}")
         fields: dict[str, Any] = dict(value)
         return cls(**fields)
     raise TypeError(

@@ -176,8 +176,7 @@ class SwapFile:
                 os.posix_fadvise(self._fd, 0, total, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise SwapError(
-                f"reading {total:,} bytes from swap file {self.path} failed: "
-                f"{exc.strerror or exc}"
+                f"reading {total:,} bytes from swap file {self.path} failed: {exc.strerror or exc}"
             ) from exc
 
     def close(self, *, unlink: bool = True) -> None:
@@ -264,9 +263,9 @@ def make_swap_dir(root: Path, label: str, rank: int) -> tuple[Path, list[Path]]:
     stale = []
     for other in root.glob(f"zero3-*-{host}-*-rank*"):
         parts = other.name.split("-")
-        if other != path and len(parts) >= 4 and parts[-2].isdigit():
-            if not _pid_alive(int(parts[-2])):
-                stale.append(other)
+        alive = len(parts) < 4 or not parts[-2].isdigit() or _pid_alive(int(parts[-2]))
+        if other != path and not alive:
+            stale.append(other)
     return path, stale
 
 
