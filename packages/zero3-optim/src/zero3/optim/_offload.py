@@ -286,10 +286,10 @@ class OffloadStore:
 
     def _install_master(self, sg: SubGroup, values: torch.Tensor) -> None:
         assert sg.master is not None
-        sg.master.set_(values)
+        sg.master.set_(values)  # type: ignore[call-overload]
         for sp, offset, view in zip(sg.params, sg.offsets, sg.views, strict=True):
             n = sp.local_numel
-            view.set_(values[offset : offset + n])
+            view.set_(values[offset : offset + n])  # type: ignore[call-overload]
             # An edit made while the master was out reached the shard only: take it.
             shard = sp.shard[:n]
             edited = shard != view.to(shard.dtype)
@@ -330,8 +330,8 @@ class OffloadStore:
             assert sg.master is not None
             for sp, view in zip(sg.params, sg.views, strict=True):
                 sp.master = None
-                view.set_(_empty_like(view))
-            sg.master.set_(_empty_like(sg.master))
+                view.set_(_empty_like(view))  # type: ignore[call-overload]
+            sg.master.set_(_empty_like(sg.master))  # type: ignore[call-overload]
         slot.buffer, slot.resident = None, False
 
     def _commit_shards(self, slot: _Slot) -> None:
@@ -525,7 +525,7 @@ class _Walk:
         first: BaseException | None = None
         for future in [*self.reads.values(), *self.writes]:
             try:
-                self._wait(future)
+                self._wait(future)  # type: ignore[arg-type]
             except BaseException as exc:
                 first = first or exc
         self.reads.clear()

@@ -208,7 +208,7 @@ class Zero3Config:
             ("offload_param", OffloadParamConfig),
             ("aio", AioConfig),
         ):
-            self._set(name, as_section(f"Zero3Config.{name}", cls, getattr(self, name)))
+            self._set(name, as_section(f"Zero3Config.{name}", cls, getattr(self, name)))  # type: ignore[type-var]
         if self.offload_param.enabled and first_rank():
             _param_offload_not_done(self.offload_param.device)
         if self.sub_group_size is not None:

@@ -39,7 +39,7 @@ def _device(label: str, value: object) -> Device:
         return "none"
     if value not in ("none", "cpu", "nvme"):
         raise ValueError(f"{label} must be 'none', 'cpu' or 'nvme', got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _path(label: str, value: object) -> str | None:
