@@ -32,7 +32,7 @@ from zero3.comm import CommBackend, ReduceOp, create_backend, launched_by_mpi, l
 from zero3.core import CheckpointError, estimate_model_states, gathered_parameters
 from zero3.core.engine import CheckpointReader, Tracer, sharded_state
 from zero3.hooks import empty_init, shard_module, stats
-from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
+from zero3.optim import OffloadStats, PartitionedOptimizer, load_checkpoint, save_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +102,9 @@ def train(args: object) -> int:
     if rank == 0:
         _print_setup(comm, settings, model)
     start = _resume(args, comm, settings, model, opt, scheduler)
-    losses, times = _loop(args, comm, settings, corpus, model, opt, scheduler, start)
+    losses, times, swaps = _loop(args, comm, settings, corpus, model, opt, scheduler, start)
     tracer, sharded_state(model).tracer = sharded_state(model).tracer, None  # not the samples
-    metrics = report.rank_metrics(model, opt, stats(model), times, baseline)
+    metrics = report.rank_metrics(model, opt, stats(model), times, baseline, swaps)
     rows = report.gather_rows(comm, metrics)
     tokens = settings.batch * settings.accumulation * world * shape.seq_len
     if rank == 0:
@@ -220,14 +220,14 @@ def _loop(
     opt: PartitionedOptimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     start: int = 0,
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[OffloadStats]]:
     rank, world = comm.rank, comm.world_size
     seq = model.cfg.seq_len  # type: ignore[union-attr]
     no_bar = bool(args.no_progress)  # type: ignore[attr-defined]
     progress = Progress(settings.steps, start, bar=not no_bar) if rank == 0 else None
     trace_from = settings.steps - args.trace_steps if args.trace else settings.steps + 1  # type: ignore[attr-defined]
     tokens = settings.batch * settings.accumulation * world * seq
-    losses, times = [], []
+    losses, times, swaps = [], [], []
     for step in range(start, settings.steps):
         if step == trace_from:
             sharded_state(model).tracer = Tracer(rank)
@@ -247,6 +247,8 @@ def _loop(
             opt.scale_loss(loss / settings.accumulation).backward()
             total += float(loss.detach()) / settings.accumulation
         opt.step()
+        if opt.offload is not None:
+            swaps.append(opt.offload.stats)
         opt.zero_grad()
         scheduler.step()
         mean, slowest = _mean_and_max(comm, total, time.perf_counter() - start)
@@ -257,7 +259,7 @@ def _loop(
         _checkpoint(args, comm, step + 1, settings.steps, model, opt, scheduler)
     if progress is not None:
         progress.close()
-    return losses, times
+    return losses, times, swaps
 
 
 def _samples(

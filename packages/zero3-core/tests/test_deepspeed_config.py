@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero3.core import ModulePath, Zero3Config
+from zero3.core import (
+    AioConfig,
+    ModulePath,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    Zero3Config,
+)
 from zero3.core.config._deepspeed_keys import known_keys
 
 DATA = Path(__file__).parent / "data"
@@ -83,7 +89,10 @@ def test_the_transformers_zero3_config_loads_unchanged(caplog):
     assert c.extras["train_micro_batch_size_per_gpu"] == "auto"
     assert c.extras["gradient_accumulation_steps"] == "auto"
     assert c.extras["optimizer"]["params"]["lr"] == "auto"
-    assert c.extras["zero_optimization.offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    # Offload is honoured: typed sections, not extras.
+    assert c.offload_optimizer.device == "cpu" and c.offload_optimizer.pin_memory
+    assert c.offload_param.device == "cpu"
+    assert not any("offload" in key for key in c.extras)
     assert c.extras["zero_optimization.stage3_gather_16bit_weights_on_model_save"] is True
     assert "wall_clock_breakdown" not in c.extras  # false asks for nothing
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
@@ -92,10 +101,10 @@ def test_the_transformers_zero3_config_loads_unchanged(caplog):
     assert 'gradient_clipping: "auto" -> 1.0' in chosen
     assert 'bf16.enabled: "auto" -> False' in chosen and 'fp16.enabled: "auto" -> False' in chosen
     assert 'zero_optimization.reduce_bucket_size: "auto" -> 500,000,000' in chosen
-    # Dropping offload changes the run's memory: a warning, not an INFO line.
+    assert "zero_optimization.offload_optimizer: offloaded to cpu" in chosen
+    # Parameter offload is read but not acted on yet: one warning says so.
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "zero_optimization.offload_param (changes memory): zero3 does not offload" in warning
-    assert "zero_optimization.offload_optimizer (changes memory)" in warning
+    assert "offload_param (device 'cpu') is checked but not acted on yet" in warning
     for key in (
         "zero_optimization.stage3_gather_16bit_weights_on_model_save: save full weights",
         "optimizer: build it in the loop",
@@ -285,7 +294,6 @@ def test_sizes_deepspeed_allows_at_zero_become_one(caplog):
 
 def test_memory_and_compression_features_run_without_them_and_say_so(caplog):
     keys = {
-        "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
         "zero_quantized_weights": True,
         "zero_quantized_gradients": True,
         "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
@@ -304,7 +312,7 @@ def test_memory_and_compression_features_run_without_them_and_say_so(caplog):
 
 
 def test_dropped_memory_and_numerics_settings_warn_on_rank_0_only(caplog, monkeypatch):
-    config = _zero(offload_param={"device": "cpu"})
+    config = _zero(zero_hpz_partition_size=8)
     config["fp16"] = {"enabled": True, "auto_cast": True}
     for rank, expected in (("1", 0), ("0", 1)):
         monkeypatch.setenv("RANK", rank)
@@ -313,8 +321,73 @@ def test_dropped_memory_and_numerics_settings_warn_on_rank_0_only(caplog, monkey
             Zero3Config.from_deepspeed(config)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == expected, (rank, warnings)
-    assert "zero_optimization.offload_param (changes memory)" in warnings[0]
+    assert "zero_optimization.zero_hpz_partition_size (changes memory)" in warnings[0]
     assert "fp16.auto_cast (changes numerics)" in warnings[0]
+
+
+def test_offload_sections_map_onto_typed_fields(caplog, tmp_path):
+    config = _zero(
+        offload_optimizer={
+            "device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+            "buffer_count": 3, "ratio": 0.5, "pipeline_read": True, "pipeline_write": True,
+            "fast_init": False, "super_offload": True,
+        },
+        offload_param={"device": "cpu", "buffer_count": 2, "buffer_size": 1e6, "max_in_cpu": 0},
+    )  # fmt: skip
+    config["aio"] = {
+        "block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2,
+        "single_submit": True, "overlap_events": True, "use_gds": False,
+    }  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="zero3.core"):
+        c = Zero3Config.from_deepspeed(config)
+    assert c.offload_optimizer == OffloadOptimizerConfig(
+        device="nvme", nvme_path=str(tmp_path), pin_memory=True, buffer_count=3, ratio=0.5
+    )
+    assert c.offload_param == OffloadParamConfig(
+        device="cpu", buffer_count=2, buffer_size=1_000_000, max_in_cpu=0
+    )
+    assert c.aio == AioConfig(block_size=262144, queue_depth=4, thread_count=2)
+    # No sub_group_size given: the offload default, small enough to pipeline.
+    assert c.sub_group_size == 2_097_152
+    assert set(c.extras) == {
+        "zero_optimization.offload_optimizer.super_offload",
+        "aio.single_submit",
+    }
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "aio.single_submit (changes speed): not applicable" in warnings
+    assert "offload_optimizer.super_offload (changes speed): not applicable" in warnings
+    assert "pipeline_read" not in caplog.text  # zero3 always pipelines: honoured
+    explicit = Zero3Config.from_deepspeed(
+        _zero(sub_group_size=1e9, offload_optimizer={"device": "cpu"})
+    )
+    assert explicit.sub_group_size == 1_000_000_000  # given: kept
+
+
+@pytest.mark.parametrize(
+    ("offload", "match"),
+    [
+        ({"device": "nvme"}, "offload_optimizer: .*nvme_path is not set"),
+        ({"device": "disk"}, "offload_optimizer.device must be 'none', 'cpu' or 'nvme'"),
+        ({"device": "cpu", "ratio": 1.5}, "offload_optimizer.ratio is a fraction"),
+        ({"device": "cpu", "buffer_count": 1}, "offload_optimizer.buffer_count must be >= 2"),
+        ({"device": "cpu", "nvme_path": 5}, "offload_optimizer.nvme_path must be a string"),
+    ],
+)
+def test_bad_offload_values_name_the_key(offload, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Zero3Config.from_deepspeed(_zero(offload_optimizer=offload))
+
+
+def test_offload_fields_take_mappings_and_check_them():
+    c = Zero3Config(offload_optimizer={"device": "cpu"}, aio={"thread_count": 2})
+    assert c.offload_optimizer.enabled and c.aio.thread_count == 2
+    with pytest.raises(ValueError, match=r"Zero3Config\.offload_optimizer: unknown key.*'devise'"):
+        Zero3Config(offload_optimizer={"devise": "cpu"})
+    with pytest.raises(
+        ValueError, match=r"Zero3Config\.aio\.block_size must be a multiple of 4096"
+    ):
+        Zero3Config(aio={"block_size": 1000})
+    assert Zero3Config(offload_optimizer={"device": "cpu", "ratio": 0}).sub_group_size == 10**9
 
 
 def test_switched_off_features_and_stage_1_2_settings_are_honoured_silently(caplog):

@@ -16,7 +16,7 @@ from torch import nn
 from zero3.comm import CommBackend
 from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes
 from zero3.core.engine import sharded_state
-from zero3.optim import PartitionedOptimizer
+from zero3.optim import OffloadStats, PartitionedOptimizer
 
 METRICS = [
     "peak_rss",
@@ -43,6 +43,10 @@ METRICS = [
     "peak_full_grad",
     "peak_pool",
     "peak_engine",
+    "io_wait",
+    "swap_walk",
+    "swap_read",
+    "swap_written",
 ]
 
 
@@ -65,8 +69,11 @@ def rank_metrics(
     stats: StepStats,
     step_times: list[float],
     baseline_rss: int,
+    swaps: list[OffloadStats] = (),  # type: ignore[assignment]
 ) -> torch.Tensor:
-    """This rank's summary numbers (in ``METRICS`` order)."""
+    """This rank's summary numbers (in ``METRICS`` order); ``swaps``: the optimizer
+    offload's record of each step (medians are reported).
+    """
     memory = memory_stats(model, opt)
     state = sharded_state(model)
     values = [
@@ -80,6 +87,8 @@ def rank_metrics(
         statistics.median(step_times) if step_times else 0.0,
         memory.peak_gathered_bytes, memory.peak_gather_buffer_bytes, memory.peak_bucket_bytes,
         memory.peak_full_grad_bytes, memory.peak_pool_bytes, memory.peak_engine_bytes,
+        *(statistics.median(getattr(w, f) for w in swaps) if swaps else 0.0
+          for f in ("io_wait_s", "step_s", "read_bytes", "written_bytes")),
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
 
@@ -207,6 +216,8 @@ def format_summary(
         f"got-grad flags {m['flags'] * wire:.0f} B, persistent refresh {_mb(m['refresh'] * wire)}",
         f"  trace invalidations (whole run): {int(m['invalidations'])}",
     ]
+    if config.offload_optimizer.enabled:
+        lines.append(_offload_line(config, per_rank))
     return "\n".join(lines)
 
 
@@ -260,6 +271,21 @@ def _memory_lines(per_rank: list[dict[str, float]], window: str) -> list[str]:
         "counted by zero3; the rest of the RSS growth is activations, autograd and allocator):",
         *aligned(header, rows),
     ]
+
+
+def _offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
+    """Where the offloaded optimizer's time went (median step, slowest rank)."""
+    section = config.offload_optimizer
+    if section.device != "nvme":
+        return f"optimizer offload: {section.device} (state in host memory; no swap I/O)"
+    worst = max(per_rank, key=lambda r: r["io_wait"])
+    return (
+        f"optimizer offload (nvme, {section.nvme_path}, sub_group_size "
+        f"{config.sub_group_size:,}): per step, I/O wait {worst['io_wait']:.3f} s of the "
+        f"sub-group walk {worst['swap_walk']:.3f} s (the rest is stepping overlapped with "
+        f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])}, "
+        f"written {_mb(worst['swap_written'])}"
+    )
 
 
 def write_trace(path: Path, per_rank_events: list[bytes]) -> None:

@@ -150,6 +150,21 @@ def parser() -> argparse.ArgumentParser:
         help="Zero3Config.param_persistence_threshold, tensors this small stay whole "
         f"(default: {Zero3Config.param_persistence_threshold:,}, or the DeepSpeed config's)",
     )
+    train.add_argument(
+        "--offload-optimizer",
+        default=None,
+        metavar="cpu|nvme:DIR",
+        help="keep the fp32 masters and optimizer state in host memory (cpu) or in swap "
+        "files under DIR (nvme), stepping one sub-group at a time (default: none, or the "
+        "DeepSpeed config's offload_optimizer)",
+    )
+    train.add_argument(
+        "--offload-param",
+        default=None,
+        metavar="cpu|nvme:DIR",
+        help="Zero3Config.offload_param (read and checked; parameter shards stay where "
+        "the parameters are in this version)",
+    )
     ckpt = p.add_argument_group("checkpoints (torch.distributed.checkpoint, any number of ranks)")
     ckpt.add_argument(
         "--save",
@@ -387,6 +402,15 @@ def rank_settings(args: argparse.Namespace, world_size: int) -> Settings:
         logger.setLevel(level)
 
 
+def _offload_flag(flag: str, value: str) -> dict[str, Any]:
+    """``cpu``, ``nvme:DIR`` or ``none`` as an offload section."""
+    if value in ("cpu", "none"):
+        return {"device": value}
+    if value.startswith("nvme:") and len(value) > len("nvme:"):
+        return {"device": "nvme", "nvme_path": value[len("nvme:") :]}
+    raise ValueError(f"{flag} must be cpu, nvme:DIR or none, got {value!r}")
+
+
 def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
     """Resolve flags and an optional DeepSpeed config (explicit flags win).
 
@@ -400,6 +424,11 @@ def settings_from(args: argparse.Namespace, world_size: int) -> Settings:
         overrides["param_persistence_threshold"] = int(args.param_persistence_threshold)
     if args.dtype is not None:
         overrides["param_dtype"] = DTYPES[args.dtype]
+    for flag, field in (("--offload-optimizer", "offload_optimizer"),
+                        ("--offload-param", "offload_param")):  # fmt: skip
+        value = getattr(args, field)
+        if value is not None:
+            overrides[field] = _offload_flag(flag, value)
     extras: dict[str, Any] = {}
     if args.deepspeed_config is not None:
         if not args.deepspeed_config.exists():

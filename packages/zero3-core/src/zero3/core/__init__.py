@@ -18,6 +18,7 @@ from zero3.core._api import (
 )
 from zero3.core.config._config import Zero3Config
 from zero3.core.config._leaves import ModulePath
+from zero3.core.config._offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zero3.core.construct._sources import SafetensorsSource, WeightSource
 from zero3.core.diag._guard import FingerprintMismatchError
 from zero3.core.diag._memory import (
@@ -40,6 +41,7 @@ from zero3.core.state_dict._full import LoadResult
 from zero3.core.state_dict._sharded import load_sharded_state_dict, sharded_state_dict
 
 __all__ = [
+    "AioConfig",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
@@ -51,6 +53,8 @@ __all__ = [
     "MemoryStats",
     "ModelStatesEstimate",
     "ModulePath",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "SafetensorsSource",
     "StepStats",
     "WeightSource",

@@ -31,6 +31,16 @@ from zero3.core.files._format import (
 )
 from zero3.core.files._ranks import raise_on_every_rank
 from zero3.core.files._reader import CheckpointReader
+from zero3.core.files._swap import (
+    AlignedBuffer,
+    IOPool,
+    SwapError,
+    SwapFile,
+    check_free_space,
+    make_swap_dir,
+    resident_pages,
+    round_up,
+)
 from zero3.core.grads._buckets import GradBucket
 from zero3.core.grads._reduce_paths import (
     AllReducePath,
@@ -58,6 +68,7 @@ __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "CHECKPOINT_LAYOUT",
     "STREAMED",
+    "AlignedBuffer",
     "AllReducePath",
     "BufferPool",
     "CheckpointLayout",
@@ -68,6 +79,7 @@ __all__ = [
     "DiscretePath",
     "GatherWindow",
     "GradBucket",
+    "IOPool",
     "LeafTarget",
     "Moment",
     "OpKind",
@@ -78,11 +90,14 @@ __all__ = [
     "Reduction",
     "ShardedModelState",
     "ShardedParam",
+    "SwapError",
+    "SwapFile",
     "TraceState",
     "Tracer",
     "TrainingStep",
     "UnshardedPlan",
     "check_checkpoint_dir",
+    "check_free_space",
     "checkpoint_group",
     "clone_state_dict",
     "empty_init",
@@ -91,12 +106,15 @@ __all__ = [
     "is_persistent",
     "load_full_state_dict",
     "local_flat",
+    "make_swap_dir",
     "mark_leaf",
     "match_leaf_modules",
     "open_weight_source",
     "quiet_dcp_warnings",
     "raise_on_every_rank",
+    "resident_pages",
     "resolve_window",
+    "round_up",
     "sharded_like",
     "sharded_param",
     "sharded_state",

@@ -13,10 +13,13 @@ and checkpoints that load at any world size.
 from zero3.optim._checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
 from zero3.optim._consolidate import consolidate_checkpoint
 from zero3.optim._loss_scale import LossScaler
+from zero3.optim._offload import OffloadError, OffloadStats
 from zero3.optim._optimizer import PartitionedOptimizer
 
 __all__ = [
     "LossScaler",
+    "OffloadError",
+    "OffloadStats",
     "PartitionedOptimizer",
     "consolidate_checkpoint",
     "load_checkpoint",

@@ -63,6 +63,11 @@ class SubGroup(Protocol):
     views: list[torch.Tensor]
     aliased: list[bool]
 
+    @property
+    def numel(self) -> int:
+        """Elements of the sub-group (padded shards)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerParts:

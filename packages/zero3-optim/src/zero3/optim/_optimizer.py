@@ -29,6 +29,7 @@ from zero3.comm import ReduceOp
 from zero3.core.engine import ShardedModelState, ShardedParam, sharded_param, sharded_state
 from zero3.optim import _optim_checkpoint
 from zero3.optim._loss_scale import LossScaler
+from zero3.optim._offload import OffloadStats, OffloadStore
 
 __all__ = ["PartitionedOptimizer", "SubGroup"]
 
@@ -169,6 +170,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._grads_unscaled = False
         self._fp32_scratch: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
+        self._offload: OffloadStore | None = None
+        if config.offload_optimizer.enabled:
+            self._offload = OffloadStore(self._zstate, self.optimizer, self._subgroups, flat)
         self._constructed = True
 
     # -- masters ----------------------------------------------------------------------------
@@ -218,11 +222,16 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     def master_shards(self) -> list[torch.Tensor]:
         """Every optimized parameter's fp32 master shard (this rank's real elements), in
         parameter-group order: the tensors the wrapped optimizer steps (unless ``flat``).
+        Offloaded masters are read back first (they stay in memory until the next step).
         """
+        self._bring_in()
         return [view for sg in self._subgroups for view in sg.views]
 
     def master_shard(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master shard (this rank's real elements) of a model parameter."""
+        """The fp32 master shard (this rank's real elements) of a model parameter
+        (offloaded masters are read back first).
+        """
+        self._bring_in()
         sp = sharded_param(param)
         for sg in self._subgroups:
             for member, view in zip(sg.params, sg.views, strict=True):
@@ -323,6 +332,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         tracer = self._zstate.tracer
         start = tracer.now_us() if tracer is not None else 0.0
+        if self._offload is not None:
+            self._offload.stats = OffloadStats()  # this step's (none if it is skipped)
         try:
             # Edits made to whole parameters since the last step reach the masters first.
             self._zstate.synchronize()
@@ -352,15 +363,19 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         (the other batches' tensors have grad None then, so it skips them).
         """
         limit = self._zstate.config.sub_group_size
-        batch: list[SubGroup] = []
+        batches: list[list[SubGroup]] = []
         size = 0
         for sg in self._subgroups:
-            if batch and size + sg.numel > limit:
-                self._step_batch(batch)
-                batch, size = [], 0
-            batch.append(sg)
+            if not batches or size + sg.numel > limit:
+                batches.append([])
+                size = 0
+            batches[-1].append(sg)
             size += sg.numel
-        if batch:
+        if self._offload is not None and self._offload.nvme:
+            # Swapped in ahead and out behind, one batch at a time.
+            self._offload.run(batches, self._step_batch)
+            return
+        for batch in batches:
             self._step_batch(batch)
 
     def _step_batch(self, batch: list[SubGroup]) -> None:
@@ -415,7 +430,10 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._zstate.step.end_window(clear=clear)
 
     def _parts(self) -> _optim_checkpoint.OptimizerParts:
-        """The masters, the wrapped optimizer and the scaler (for checkpoints)."""
+        """The masters, the wrapped optimizer and the scaler (for checkpoints); offloaded
+        state is read back first (it stays in memory until the next step).
+        """
+        self._bring_in()
         return _optim_checkpoint.OptimizerParts(
             self._subgroups, self.flat, self.optimizer, self.scaler
         )
@@ -472,6 +490,23 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
         with torch.no_grad():
             self._write_back()
+            self._offload_again()
+
+    def _bring_in(self) -> None:
+        if self._offload is not None and self._offload.nvme:
+            self._offload.bring_all_in()
+
+    def _offload_again(self) -> None:
+        """Loaded state goes back to its swap files (nothing held between steps)."""
+        if self._offload is not None and self._offload.nvme:
+            self._offload.write_all_out()
+
+    @property
+    def offload(self) -> OffloadStore | None:
+        """The offloaded sub-groups' store (None without ``offload_optimizer``): its
+        ``stats`` say where the last step's time went, ``files`` where the state is.
+        """
+        return self._offload
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, for a file per rank (same rank, same world size only).
@@ -483,6 +518,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         use :meth:`sharded_state_dict` (or ``zero3.optim.save_checkpoint``).
         """
         comm = self._zstate.comm
+        self._parts()  # offloaded state read back
         inner = self.optimizer.state_dict()
         return {
             "state": inner["state"],
@@ -515,6 +551,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 "ones the state was saved with (names, order, sub_group_size or flat)"
             )
         inner = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
+        self._parts()  # offloaded state read back, to be replaced
         self.optimizer.load_state_dict(inner)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
@@ -525,4 +562,5 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 ):
                     view.copy_(part)
             self._write_back()
+            self._offload_again()
         self.scaler.load_state_dict(state_dict["scaler"])

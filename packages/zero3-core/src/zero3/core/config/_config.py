@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -20,8 +21,15 @@ from zero3.core.config._checks import (
     check_int,
     check_timeout,
 )
-from zero3.core.config._deepspeed import fields_from_deepspeed
+from zero3.core.config._deepspeed import fields_from_deepspeed, first_rank
 from zero3.core.config._leaves import LeafTarget, check_leaf_targets
+from zero3.core.config._offload import (
+    OFFLOAD_SUB_GROUP_SIZE,
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    as_section,
+)
 
 __all__ = ["Zero3Config", "is_persistent"]
 
@@ -88,7 +96,9 @@ class Zero3Config:
             prefetch is issued as gathers of this size split at module boundaries, so
             compute waits for the first chunk only, not for the whole bucket (see
             :ref:`overlap chunks <overlap-chunks>`). Not a DeepSpeed field.
-        sub_group_size: Elements per optimizer sub-group (fp32 master chunk).
+        sub_group_size: Elements per optimizer sub-group (fp32 master chunk). Left
+            unset (None) it is 10⁹ (DeepSpeed's default), or 2,097,152 with optimizer
+            offload on, so that swapping one sub-group overlaps stepping another (logged).
         backend: Comm backend name for :func:`zero3.comm.create_backend` (``"auto"``).
         leaf_modules: Modules whose whole subtree is gathered on entry and released on
             exit (MoE blocks with routing): module classes, class names (bare or
@@ -116,6 +126,12 @@ class Zero3Config:
             Meta parameters that ``shard_module`` initialises are broadcast module by
             module; with this off they are checked instead (ranks that initialised them
             differently raise an error).
+        offload_optimizer: Where the fp32 masters and optimizer state live between
+            steps (:class:`~zero3.core.OffloadOptimizerConfig`; a mapping of its fields
+            is accepted). See the Offload guide.
+        offload_param: Where parameter shards live
+            (:class:`~zero3.core.OffloadParamConfig`).
+        aio: How swap files are read and written (:class:`~zero3.core.AioConfig`).
         extras: Read-only mapping of settings zero3 does not act on, kept for the
             training loop: the DeepSpeed keys :meth:`from_deepspeed` leaves to it (batch
             sizes, optimizer, scheduler, offload...) by dotted name (``"optimizer"``,
@@ -130,7 +146,7 @@ class Zero3Config:
     contiguous_gradients: bool = True
     overlap_comm: bool = True
     overlap_chunk_size: int | None = None
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = None  # type: ignore[assignment]  # None: chosen in __post_init__
     backend: str = "auto"
     leaf_modules: tuple[LeafTarget, ...] = ()
     param_dtype: torch.dtype | None = None
@@ -144,6 +160,11 @@ class Zero3Config:
     min_loss_scale: float = 1.0
     timeout_s: float = 300.0
     sync_module_states: bool = True
+    offload_optimizer: OffloadOptimizerConfig = dataclasses.field(
+        default_factory=OffloadOptimizerConfig
+    )
+    offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -158,6 +179,7 @@ class Zero3Config:
             )
         for name in ("param_persistence_threshold", "initial_scale_power"):
             self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=0))
+        self._offload_sections()
         for name in (
             "reduce_bucket_size",
             "sub_group_size",
@@ -192,6 +214,29 @@ class Zero3Config:
                 f"Zero3Config.extras must be a mapping, got {type(self.extras).__name__}"
             )
         self._set("extras", MappingProxyType(dict(self.extras)))
+
+    def _offload_sections(self) -> None:
+        for name, cls in (
+            ("offload_optimizer", OffloadOptimizerConfig),
+            ("offload_param", OffloadParamConfig),
+            ("aio", AioConfig),
+        ):
+            self._set(name, as_section(f"Zero3Config.{name}", cls, getattr(self, name)))  # type: ignore[type-var]
+        if self.offload_param.enabled and first_rank():
+            _param_offload_not_done(self.offload_param.device)
+        if self.sub_group_size is not None:
+            return
+        if not self.offload_optimizer.enabled:
+            self._set("sub_group_size", 1_000_000_000)
+        else:
+            # One sub-group per model would leave nothing to overlap with the I/O.
+            self._set("sub_group_size", OFFLOAD_SUB_GROUP_SIZE)
+            _log.info(
+                "zero3: optimizer offload with sub_group_size at its default: stepping "
+                "sub-groups of %s elements so that swapping overlaps stepping (set "
+                "sub_group_size to choose)",
+                f"{OFFLOAD_SUB_GROUP_SIZE:,}",
+            )
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
@@ -244,6 +289,17 @@ class Zero3Config:
         fields = fields_from_deepspeed(config, overrides=overrides.keys())
         fields.update(overrides)
         return cls(**fields)
+
+
+@functools.cache
+def _param_offload_not_done(device: str) -> None:
+    """Say once per process that ``offload_param`` is read but not acted on."""
+    _log.warning(
+        "zero3: offload_param (device %r) is checked but not acted on yet: parameter shards "
+        "stay where the parameters are (on a CPU run that is host memory already); "
+        "offload_optimizer is honoured",
+        device,
+    )
 
 
 def _rebuild(fields: dict[str, Any]) -> Zero3Config:

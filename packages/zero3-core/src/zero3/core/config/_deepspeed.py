@@ -40,10 +40,13 @@ import torch.distributed as dist
 
 from zero3.core.config._checks import check_clipping
 from zero3.core.config._deepspeed_keys import (
+    AIO,
     AUTO,
     BF16,
     DATA_TYPES,
     FP16,
+    OFFLOAD_OPTIMIZER,
+    OFFLOAD_PARAM,
     SPECIAL,
     TOP,
     ZERO,
@@ -52,6 +55,11 @@ from zero3.core.config._deepspeed_keys import (
     mapping,
     no_unknown,
     same_setting_twice,
+)
+from zero3.core.config._offload import (
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
 )
 
 __all__ = ["fields_from_deepspeed", "first_rank"]
@@ -165,9 +173,37 @@ def _zero_section(reading: _Reading, config: Mapping[str, Any]) -> None:
             'ZeRO stage 3 only (set "stage": 3)'
         )
     _read(reading, "zero_optimization.", section, ZERO)
+    for name, table in (("offload_optimizer", OFFLOAD_OPTIMIZER), ("offload_param", OFFLOAD_PARAM)):
+        if section.get(name) is not None and section[name] != AUTO:
+            label = f"zero_optimization.{name}"
+            _read(reading, f"{label}.", mapping(label, section[name]), table)
     if "grad_reduce_op" in reading.fields:
         on = reading.fields["grad_reduce_op"]
         reading.fields["grad_reduce_op"] = "reduce_scatter" if on else "all_reduce"
+
+
+_SECTIONS = {
+    "offload_optimizer": (OffloadOptimizerConfig, "zero_optimization.offload_optimizer"),
+    "offload_param": (OffloadParamConfig, "zero_optimization.offload_param"),
+    "aio": (AioConfig, "aio"),
+}
+
+
+def _gather_sections(reading: _Reading) -> None:
+    """Turn the dotted fields (``offload_optimizer.device``) into their sections."""
+    for name, (cls, label) in _SECTIONS.items():
+        prefix = name + "."
+        values = {k[len(prefix) :]: v for k, v in reading.fields.items() if k.startswith(prefix)}
+        for key in values:
+            del reading.fields[prefix + key]
+        if not values or name in reading.overrides:
+            continue
+        try:
+            reading.fields[name] = cls(**values)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from exc
+        if name != "aio" and reading.fields[name].enabled:
+            reading.choose(label, name, f"offloaded to {reading.fields[name].device}")
 
 
 def _precision(reading: _Reading, config: Mapping[str, Any]) -> None:
@@ -248,6 +284,9 @@ def fields_from_deepspeed(
     _data_types(reading, config)
     _clipping(reading, config)
     _read(reading, "", {k: v for k, v in config.items() if k in TOP}, TOP)
+    if config.get("aio") is not None:
+        _read(reading, "aio.", mapping("aio", config["aio"]), AIO)
+    _gather_sections(reading)
     if reading.chosen:
         _log.info(
             "zero3: values chosen for the DeepSpeed config:\n  %s", "\n  ".join(reading.chosen)
@@ -255,7 +294,7 @@ def fields_from_deepspeed(
     if reading.ignored and first_rank():
         _log.warning(
             "zero3: DeepSpeed settings zero3 does not honour, which changes this run's "
-            "memory or numerics against DeepSpeed's (kept in Zero3Config.extras):\n  %s",
+            "memory, numerics or speed against DeepSpeed's (kept in Zero3Config.extras):\n  %s",
             "\n  ".join(reading.ignored),
         )
     if reading.unused:

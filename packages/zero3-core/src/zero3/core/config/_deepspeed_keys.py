@@ -177,9 +177,8 @@ class Key:
 
 
 _NO_OFFLOAD = (
-    "zero3 does not offload: parameters, gradients and optimizer states stay on the "
-    "training device (on a CPU run they are in CPU memory already). Lower "
-    "max_live_parameters / max_reuse_distance or add ranks if device memory is short"
+    "ZeRO-1/2's offload switches are not read at stage 3: write "
+    'offload_optimizer {"device": "cpu"} (and offload_param) instead'
 )
 _FULL_PRECISION_COMM = (
     "zero3 gathers and reduces in the tensors' own dtype (reduce_dtype for gradients), "
@@ -193,33 +192,23 @@ _SAVE_16BIT = (
 )
 
 
-def _offload(keys: frozenset[str]) -> Callable[[str, Any], Mapping[str, Any] | None]:
-    def check(label: str, value: Any) -> Mapping[str, Any] | None:
-        if value is None:
-            return None
-        section = mapping(label, value)
-        no_unknown(label, section, keys)
-        device = section.get("device", "none")
-        if device not in ("none", "cpu", "nvme", AUTO):  # DeepSpeed reads "auto" as none
-            raise ValueError(f"{label}.device must be 'none', 'cpu' or 'nvme', got {device!r}")
-        return section
-
-    return check
+def _offload_device(label: str, value: Any) -> str:
+    if value == AUTO:  # DeepSpeed reads "auto" as none
+        return "none"
+    if value not in ("none", "cpu", "nvme"):
+        raise ValueError(f"{label} must be 'none', 'cpu' or 'nvme', got {value!r}")
+    return str(value)
 
 
-def _offloading(value: Any) -> bool:
-    return isinstance(value, Mapping) and value.get("device", "none") not in ("none", AUTO)
+def _optional_path(label: str, value: Any) -> str | None:
+    return None if value is None else _string(label, value)
 
 
-_OFFLOAD_PARAM = frozenset(
-    {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
-)
-_OFFLOAD_OPTIMIZER = frozenset(
-    {
-        "device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
-        "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc",
-    }
-)  # fmt: skip
+def _fraction(label: str, value: Any) -> float:
+    ratio = check_float(label, value, minimum=0.0)
+    if ratio > 1.0:
+        raise ValueError(f"{label} is a fraction of the sub-groups (0..1), got {ratio}")
+    return ratio
 
 
 def _stage(label: str, value: Any) -> int:
@@ -284,6 +273,58 @@ _WINDOW_AUTO = (
     "zero3 sizes the gather window from the model when it is sharded instead of "
     "DeepSpeed's absolute default; see GatherWindow"
 )
+
+
+_PIPELINED = dict(check=check_bool, default=False, active=lambda v: False)
+_NOT_APPLICABLE = (
+    "not applicable: zero3 steps offloaded state with the wrapped torch optimizer "
+    "(no DeepSpeed CPU-Adam or SuperOffload kernel)"
+)
+
+#: ``zero_optimization.offload_optimizer``: fields of Zero3Config.offload_optimizer.
+OFFLOAD_OPTIMIZER: dict[str, Key] = {
+    **_k("device", check=_offload_device, field="offload_optimizer.device", default="none"),
+    **_k("nvme_path", check=_optional_path, field="offload_optimizer.nvme_path"),
+    **_k("pin_memory", check=check_bool, field="offload_optimizer.pin_memory", default=False),
+    **_k("buffer_count", check=_ints(2), field="offload_optimizer.buffer_count", default=4),
+    **_k("ratio", check=_fraction, field="offload_optimizer.ratio", default=1.0),
+    # zero3 always reads ahead and writes behind; fast_init has no effect on its files.
+    **_k("pipeline_read", "pipeline_write", "fast_init", **_PIPELINED),
+    **_k("super_offload", check=check_bool, default=False, todo=_NOT_APPLICABLE,
+         costs="speed"),
+    **_k("cpuadam_cores_perc", check=_non_negative, default=0.8, active=lambda v: True,
+         todo=_NOT_APPLICABLE + "; set torch.set_num_threads for the CPU step",
+         costs="speed"),
+}  # fmt: skip
+
+#: ``zero_optimization.offload_param``: fields of Zero3Config.offload_param.
+OFFLOAD_PARAM: dict[str, Key] = {
+    **_k("device", check=_offload_device, field="offload_param.device", default="none"),
+    **_k("nvme_path", check=_optional_path, field="offload_param.nvme_path"),
+    **_k("pin_memory", check=check_bool, field="offload_param.pin_memory", default=False),
+    **_k("buffer_count", check=_ints(1), field="offload_param.buffer_count", default=5),
+    **_k("buffer_size", check=_ints(1), field="offload_param.buffer_size",
+         default=100_000_000),
+    **_k("max_in_cpu", check=_ints(0), field="offload_param.max_in_cpu",
+         default=1_000_000_000),
+}  # fmt: skip
+
+_AIO_NA = "not applicable: zero3's I/O threads submit each request on its own (no libaio)"
+
+#: ``aio``: fields of Zero3Config.aio (zero3's direct-I/O thread pool).
+AIO: dict[str, Key] = {
+    **_k("block_size", check=_ints(4096), field="aio.block_size", default=1_048_576),
+    **_k("queue_depth", check=_ints(1), field="aio.queue_depth", default=8),
+    **_aka("intra_op_parallelism", "thread_count", check=_ints(1), field="aio.thread_count",
+           default=1),
+    **_k("single_submit", check=check_bool, default=False, todo=_AIO_NA, costs="speed"),
+    **_k("overlap_events", check=check_bool, default=True, active=lambda v: v is False,
+         todo=_AIO_NA, costs="speed"),
+    **_k("use_gds", check=check_bool, default=False,
+         todo="not applicable: zero3 reads swap files into host buffers (no GPUDirect "
+         "Storage)", costs="speed"),
+}  # fmt: skip
+
 
 ZERO: dict[str, Key] = {
     **_k("stage", check=_stage, default=0, active=_always),
@@ -372,13 +413,9 @@ ZERO: dict[str, Key] = {
         "counts them in zero3.hooks.stats(model).trace_invalidations",
     ),
     # Memory placement and compressed communication: same training, other costs.
-    **_k("offload_param", check=_offload(_OFFLOAD_PARAM), active=_offloading, todo=_NO_OFFLOAD,
-         costs="memory"),
-    **_k(
-        "offload_optimizer", check=_offload(_OFFLOAD_OPTIMIZER), active=_offloading,
-        todo=_NO_OFFLOAD,
-        costs="memory",
-    ),
+    # Read key by key with OFFLOAD_PARAM / OFFLOAD_OPTIMIZER (null: DeepSpeed's "off").
+    **_k("offload_param", "offload_optimizer", check=_optional_section,
+         active=lambda v: False),
     **_k(
         "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
         check=_optional_bool, todo=_NO_OFFLOAD,
@@ -559,7 +596,7 @@ TOP: dict[str, Key] = {
     **_k("hybrid_engine", **_OFF, todo="zero3 has no RLHF hybrid inference engine"),
     **_k("compile", check=_section, active=lambda v: bool(v.get("deepcompile")),
          todo="zero3 does not run DeepCompile"),
-    **_k("timers", "aio", "nebula", "datastates_ckpt", check=_section, active=_present,
+    **_k("timers", "nebula", "datastates_ckpt", check=_section, active=_present,
          todo=_NOTHING + " (DeepSpeed engine internals)"),
     **_k("elasticity", **_OFF, todo="the loop sets batch sizes for the world it runs on"),
     **_k("vocabulary_size", check=_optional_int, active=lambda v: False),
@@ -581,7 +618,7 @@ TOP: dict[str, Key] = {
 }  # fmt: skip
 
 # Top-level keys with their own readers below (sections or cross-key rules).
-SPECIAL = ("zero_optimization", "fp16", "bf16", "bfloat16", "data_types",
+SPECIAL = ("zero_optimization", "fp16", "bf16", "bfloat16", "data_types", "aio",
             "communication_data_type", "gradient_clipping")  # fmt: skip
 
 
@@ -593,4 +630,7 @@ def known_keys() -> dict[str, tuple[str, ...]]:
         "fp16": tuple(sorted(FP16)),
         "bf16": tuple(sorted(BF16)),
         "data_types": tuple(sorted(DATA_TYPES)),
+        "zero_optimization.offload_optimizer": tuple(sorted(OFFLOAD_OPTIMIZER)),
+        "zero_optimization.offload_param": tuple(sorted(OFFLOAD_PARAM)),
+        "aio": tuple(sorted(AIO)),
     }

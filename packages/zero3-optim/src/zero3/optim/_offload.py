@@ -1,0 +1,546 @@
+"""Optimizer offload: each sub-group's fp32 masters and optimizer state off the device.
+
+Note (how a step runs with ``offload_optimizer: nvme``):
+    Every offloaded sub-group has one swap file (this rank's, this run's) holding its
+    record: the fp32 master (where it is a separate copy: bf16/fp16 parameters) and each
+    per-element state tensor of the wrapped optimizer, back to back. Between steps the
+    masters' storages are empty and the state entries are empty placeholders, so host
+    memory holds none of it. ``step()`` walks the sub-groups in order: the reads of the
+    next ones are queued on the I/O threads while the current one steps, and the
+    previous ones' writes run behind; at most ``buffer_count`` page-aligned buffers
+    (one record each) are in flight, and all writes are complete when ``step()``
+    returns. A record is read straight into its buffer and the tensors the wrapped
+    optimizer knows (its parameters, its state) are re-pointed at it, so identity and
+    per-parameter semantics are kept for any torch-style optimizer.
+
+    Faults are agreed before anything steps and again before anything is written back
+    (a one-element all-reduce each): if any rank's file is gone, truncated, short or
+    unwritable, every rank raises :class:`OffloadError` with that rank's message.
+
+    Edits to a parameter made while its master is on disk (loading, ``gathered_parameters``)
+    reach the shard only; when the master is read back, elements whose shard no longer
+    equals the master's rounding take the shard's value.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zero3.comm import ReduceOp
+from zero3.core.engine import (
+    AlignedBuffer,
+    IOPool,
+    ShardedModelState,
+    SwapError,
+    SwapFile,
+    check_free_space,
+    make_swap_dir,
+    round_up,
+)
+
+#: The optimizer's step of one batch of its own sub-groups (a class this module reads only
+#: through the SubGroup protocol, so the callback takes them as they come).
+StepBatch = Callable[[list[Any]], None]
+
+if TYPE_CHECKING:
+    from zero3.core import OffloadOptimizerConfig
+    from zero3.optim._optim_checkpoint import SubGroup
+
+__all__ = ["OffloadError", "OffloadStats", "OffloadStore"]
+
+_log = logging.getLogger("zero3.optim")
+_ALIGN = 64  # bytes between state segments: any dtype's view is aligned
+_MAX_MESSAGE = 1024  # bytes of a failing rank's message shared with the others
+
+
+class OffloadError(RuntimeError):
+    """Offloaded optimizer state could not be stored or read back (raised on every rank)."""
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """Where the last offloaded step's time went and what moved (this rank).
+
+    Attributes:
+        io_wait_s: Seconds ``step()`` waited for reads and writes.
+        step_s: Seconds of the whole offloaded step walk (stepping + waiting).
+        read_bytes: Bytes read from swap files.
+        written_bytes: Bytes written to swap files.
+    """
+
+    io_wait_s: float = 0.0
+    step_s: float = 0.0
+    read_bytes: int = 0
+    written_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seg:
+    owner: int  # position among the sub-group's optimizer tensors; -1: the master
+    key: str
+    dtype: torch.dtype
+    numel: int
+    offset: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    sg: SubGroup
+    index: int
+    file: SwapFile
+    swap_master: bool
+    layout: tuple[_Seg, ...] = ()
+    nbytes: int = 0
+    reserved: int = 0
+    on_disk: bool = False
+    resident: bool = True
+    buffer: AlignedBuffer | None = None
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    _log.info(message)
+
+
+def _owners(sg: SubGroup, flat: bool) -> list[torch.Tensor]:
+    return [sg.master] if flat and sg.master is not None else list(sg.views)
+
+
+def _per_element(owner: torch.Tensor, value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == owner.shape
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def refuse_global_state(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose state spans parameters (they cannot step per sub-group)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "offload_optimizer: LBFGS keeps one history across all parameters and "
+            "re-evaluates the closure inside step(), so it cannot step one offloaded "
+            "sub-group at a time; use a per-parameter optimizer (AdamW, SGD, Adagrad...) "
+            'or set offload_optimizer {"device": "none"}'
+        )
+
+
+class OffloadStore:
+    """The offloaded sub-groups of one PartitionedOptimizer and their swap files."""
+
+    def __init__(
+        self,
+        zstate: ShardedModelState,
+        optimizer: torch.optim.Optimizer,
+        subgroups: Sequence[SubGroup],
+        flat: bool,
+    ) -> None:
+        config = zstate.config
+        self.config: OffloadOptimizerConfig = config.offload_optimizer
+        self._zstate = zstate
+        self._optimizer = optimizer
+        self._flat = flat
+        self.stats = OffloadStats()
+        self.kind = self.config.device
+        refuse_global_state(optimizer)
+        count = math.ceil(self.config.ratio * len(subgroups) - 1e-9)
+        self._offloaded = list(subgroups[:count])
+        self._slots: dict[int, _Slot] = {}
+        self._dir: Path | None = None
+        self._pool: IOPool | None = None
+        device = subgroups[0].views[0].device if subgroups else torch.device("cpu")
+        self._pin = self.config.pin_memory and device.type != "cpu"
+        if self.config.pin_memory and device.type == "cpu":
+            _say_once(
+                "zero3: offload_optimizer.pin_memory is a no-op without an accelerator "
+                "(host memory needs no page-locking to be read by the CPU)"
+            )
+        if device.type != "cpu":
+            raise NotImplementedError(
+                f"offload_optimizer {self.kind!r} with parameters on {device} is not "
+                "implemented yet (only CPU-resident shards); set offload_optimizer "
+                '{"device": "none"}'
+            )
+        if self.kind == "cpu":
+            _say_once(
+                "zero3: offload_optimizer cpu on a CPU run: the masters and optimizer state "
+                "are in host memory already, nothing moves"
+            )
+            return
+        error: BaseException | None = None
+        try:
+            self._open_files(config.aio.thread_count, config.aio.use_direct_io,
+                             config.aio.block_size)  # fmt: skip
+            self._swap_out_masters()
+        except (SwapError, OSError) as exc:
+            error = exc
+        self._agree(error)
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _open_files(self, threads: int, direct: bool, block_size: int) -> None:
+        assert self.config.nvme_path is not None
+        rank = self._zstate.comm.rank
+        self._dir, stale = make_swap_dir(Path(self.config.nvme_path), "optim", rank)
+        if stale:
+            _log.warning(
+                "zero3: rank %d found swap directories of runs that are no longer alive "
+                "under %s (not ours, left alone; remove them to free the space): %s",
+                rank, self.config.nvme_path, ", ".join(str(p) for p in stale),
+            )  # fmt: skip
+        self._pool = IOPool(threads, name=f"zero3-io-r{rank}")
+        estimate = sum(self._estimate(sg) for sg in self._offloaded)
+        check_free_space(self._dir, estimate, f"rank {rank}'s offloaded optimizer state")
+        for i, sg in enumerate(self._offloaded):
+            file = SwapFile(self._dir / f"subgroup{i:05d}.swp", direct=direct,
+                            block_size=block_size)  # fmt: skip
+            swap_master = sg.master is not None and not any(sg.aliased)
+            self._slots[id(sg)] = _Slot(sg, i, file, swap_master)
+        # Swap files go when the optimizer does, or at exit (also after an error).
+        weakref.finalize(
+            self, _cleanup, self._dir, self._pool, [s.file for s in self._slots.values()]
+        )
+
+    def _estimate(self, sg: SubGroup) -> int:
+        """Swap bytes of a sub-group: its master plus two fp32 moments (Adam's)."""
+        master = sg.numel * 4 if sg.master is not None and not any(sg.aliased) else 0
+        state = sum(v.numel() for v in _owners(sg, self._flat)) * 4 * 2
+        return round_up(master + state + _ALIGN * 8)
+
+    @property
+    def files(self) -> list[Path]:
+        """This rank's swap files (``nvme``)."""
+        return [s.file.path for s in self._slots.values()]
+
+    @property
+    def directory(self) -> Path | None:
+        """This rank's swap directory (``nvme``)."""
+        return self._dir
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether every swap file is read and written with ``O_DIRECT``."""
+        return all(s.file.direct for s in self._slots.values())
+
+    @property
+    def nvme(self) -> bool:
+        """Whether state moves to swap files (``device: nvme`` with something offloaded)."""
+        return bool(self._slots)
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of this rank's state held in swap files after the last write."""
+        return sum(s.nbytes for s in self._slots.values() if s.on_disk)
+
+    def close(self) -> None:
+        """Remove the swap files and stop the I/O threads."""
+        _cleanup(self._dir, self._pool, [s.file for s in self._slots.values()])
+        self._slots.clear()
+
+    # -- layout, install, pack ------------------------------------------------------------
+
+    def _layout(self, slot: _Slot) -> tuple[tuple[_Seg, ...], int]:
+        sg, segs, cursor = slot.sg, [], 0
+        if slot.swap_master:
+            assert sg.master is not None
+            segs.append(_Seg(-1, "", torch.float32, sg.numel, 0))
+            cursor = sg.numel * 4
+        for k, owner in enumerate(_owners(sg, self._flat)):
+            for key, value in self._optimizer.state.get(owner, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and not _per_element(owner, value)
+                ):
+                    raise ValueError(
+                        f"offload_optimizer: {type(self._optimizer).__name__} keeps state "
+                        f"{key!r} of shape {tuple(value.shape)} for a tensor of shape "
+                        f"{tuple(owner.shape)}: only per-element state (shaped like its "
+                        "parameter) and scalars can be offloaded per sub-group"
+                    )
+                if _per_element(owner, value):
+                    cursor = round_up(cursor, _ALIGN)
+                    segs.append(_Seg(k, key, value.dtype, value.numel(), cursor))
+                    cursor += value.numel() * value.element_size()
+        return tuple(segs), round_up(cursor)
+
+    def _install(self, slot: _Slot, buf: AlignedBuffer) -> None:
+        """Point the masters and state of ``slot`` at ``buf`` (just read)."""
+        sg, owners = slot.sg, _owners(slot.sg, self._flat)
+        for seg in slot.layout:
+            region = buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize]
+            values = region.view(seg.dtype)
+            if seg.owner < 0:
+                self._install_master(sg, values)
+            else:
+                self._optimizer.state[owners[seg.owner]][seg.key] = values
+        slot.buffer, slot.resident = buf, True
+
+    def _install_master(self, sg: SubGroup, values: torch.Tensor) -> None:
+        assert sg.master is not None
+        sg.master.set_(values)  # type: ignore[call-overload]
+        for sp, offset, view in zip(sg.params, sg.offsets, sg.views, strict=True):
+            n = sp.local_numel
+            view.set_(values[offset : offset + n])  # type: ignore[call-overload]
+            # An edit made while the master was out reached the shard only: take it.
+            shard = sp.shard[:n]
+            edited = shard != view.to(shard.dtype)
+            if bool(edited.any()):
+                view[edited] = shard[edited].to(torch.float32)
+            sp.master = view
+
+    def _pack(self, slot: _Slot) -> AlignedBuffer:
+        """Gather ``slot``'s masters and state into one buffer and empty the tensors the
+        optimizer holds; returns the buffer to write.
+        """
+        sg, owners = slot.sg, _owners(slot.sg, self._flat)
+        layout, nbytes = self._layout(slot)
+        old = slot.buffer
+        buf = (
+            old
+            if old is not None and layout == slot.layout
+            else AlignedBuffer(nbytes, pin=self._pin)
+        )
+        for seg in layout:
+            src = sg.master if seg.owner < 0 else self._optimizer.state[owners[seg.owner]][seg.key]
+            assert src is not None
+            dst = buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize]
+            if src.data_ptr() != dst.data_ptr():
+                dst.view(seg.dtype).copy_(src)
+        slot.layout, slot.nbytes = layout, nbytes
+        self._release(slot)
+        return buf
+
+    def _release(self, slot: _Slot) -> None:
+        """Drop the optimizer's references to ``slot``'s masters and state."""
+        sg, owners = slot.sg, _owners(slot.sg, self._flat)
+        for seg in slot.layout:
+            if seg.owner >= 0:
+                state = self._optimizer.state[owners[seg.owner]]
+                state[seg.key] = _empty_like(state[seg.key])
+        if slot.swap_master:
+            assert sg.master is not None
+            for sp, view in zip(sg.params, sg.views, strict=True):
+                sp.master = None
+                view.set_(_empty_like(view))  # type: ignore[call-overload]
+            sg.master.set_(_empty_like(sg.master))  # type: ignore[call-overload]
+        slot.buffer, slot.resident = None, False
+
+    def _commit_shards(self, slot: _Slot) -> None:
+        """Stepped masters into the shards before the masters leave (commit_step then
+        finds no master to copy for them).
+        """
+        if slot.swap_master:
+            for sp, view in zip(slot.sg.params, slot.sg.views, strict=True):
+                sp.shard[: sp.local_numel].copy_(view)
+
+    # -- moving ---------------------------------------------------------------------------
+
+    def _write(self, slot: _Slot, buf: AlignedBuffer) -> None:
+        if slot.nbytes > slot.reserved:
+            slot.file.reserve(slot.nbytes)
+            slot.reserved = slot.nbytes
+        slot.file.write(buf, slot.nbytes)
+
+    def _read(self, slot: _Slot) -> AlignedBuffer:
+        buf = AlignedBuffer(slot.nbytes, pin=self._pin)
+        slot.file.read(buf, slot.nbytes)
+        return buf
+
+    def _swap_out_masters(self) -> None:
+        """At construction: masters go to their files at once (nothing held)."""
+        for slot in self._slots.values():
+            slot.layout, slot.nbytes = self._layout(slot)
+            if slot.nbytes == 0:
+                self._release(slot)
+                continue
+            buf = self._pack(slot)
+            self._write(slot, buf)
+            slot.on_disk = True
+
+    def bring_all_in(self) -> None:
+        """Read every offloaded sub-group back (checkpoints, ``state_dict``); they stay
+        in memory until the next step writes them out again.
+        """
+        error: BaseException | None = None
+        try:
+            for slot in self._slots.values():
+                if not slot.resident and slot.on_disk:
+                    slot.file.check(slot.nbytes)
+                    self._install(slot, self._read(slot))
+                elif not slot.resident:
+                    slot.resident = True
+        except SwapError as exc:
+            error = exc
+        self._agree(error)
+
+    def write_all_out(self) -> None:
+        """Write every resident offloaded sub-group to its file (after loading state)."""
+        error: BaseException | None = None
+        try:
+            for slot in self._slots.values():
+                if slot.resident:
+                    self._commit_shards(slot)
+                    buf = self._pack(slot)
+                    if slot.nbytes:
+                        self._write(slot, buf)
+                        slot.on_disk = True
+        except SwapError as exc:
+            error = exc
+        self._agree(error)
+
+    # -- the step walk --------------------------------------------------------------------
+
+    def run(self, batches: Sequence[Sequence[SubGroup]], step: StepBatch) -> None:
+        """Step ``batches`` (lists of sub-groups) in order with ``step``, swapping the
+        offloaded ones in ahead and out behind; all writes done on return.
+        """
+        start = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            for slot in self._slots.values():
+                if not slot.resident and slot.on_disk:
+                    slot.file.check(slot.nbytes)
+        except SwapError as exc:
+            error = exc
+        self._agree(error)  # before anything steps
+        walk = _Walk(self, batches)
+        try:
+            walk.run(step)
+        except SwapError as exc:
+            error = exc
+        try:
+            walk.drain()
+        except SwapError as exc:
+            error = error or exc
+        self.stats.step_s = time.perf_counter() - start
+        self._agree(error)  # before anything is written back into the model
+
+    def slot(self, sg: SubGroup) -> _Slot | None:
+        """The swap slot of an offloaded sub-group (None: stays in memory)."""
+        return self._slots.get(id(sg))
+
+    # -- agreeing on faults ---------------------------------------------------------------
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Every rank raises the same OffloadError if any rank failed (a collective)."""
+        comm = self._zstate.comm
+        device = self._zstate.grad_comm.device()
+        flag = torch.tensor([comm.rank + 1.0 if error is not None else 0.0], device=device)
+        self._zstate.all_reduce(flag, ReduceOp.MAX)
+        failed = int(flag.item()) - 1
+        if failed < 0:
+            return
+        text = str(error).encode()[:_MAX_MESSAGE] if failed == comm.rank else b""
+        codes = torch.zeros(_MAX_MESSAGE, dtype=torch.float32, device=device)
+        if text:
+            codes[: len(text)] = torch.tensor(list(text), dtype=torch.float32)
+        self._zstate.all_reduce(codes, ReduceOp.SUM)
+        message = bytes(int(c) for c in codes.tolist() if c).decode(errors="replace")
+        raise OffloadError(f"optimizer offload failed on rank {failed}: {message}") from error
+
+
+class _Walk:
+    """One step's pass over the sub-groups: read-ahead and write-behind in a bounded
+    number of buffers.
+    """
+
+    def __init__(self, store: OffloadStore, batches: Sequence[Sequence[SubGroup]]) -> None:
+        self.store = store
+        self.batches = [list(b) for b in batches]
+        self.order = [s for b in self.batches for sg in b if (s := store.slot(sg)) is not None]
+        widest = max((sum(store.slot(sg) is not None for sg in b) for b in self.batches), default=0)
+        self.limit = max(store.config.buffer_count, widest + 1)
+        self.reads: dict[int, Future[AlignedBuffer]] = {}
+        self.writes: collections.deque[Future[None]] = collections.deque()
+        self.stepping = 0
+        self.next = 0
+
+    def _wait(self, future: Future[Any]) -> Any:
+        begin = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.store.stats.io_wait_s += time.perf_counter() - begin
+
+    def _used(self) -> int:
+        return len(self.reads) + len(self.writes) + self.stepping
+
+    def _reap(self, *, block: bool) -> None:
+        while self.writes and (self.writes[0].done() or (block and self._used() >= self.limit)):
+            self._wait(self.writes.popleft())
+
+    def _fill(self) -> None:
+        pool = self.store._pool
+        assert pool is not None
+        while self.next < len(self.order) and self._used() < self.limit:
+            slot = self.order[self.next]
+            self.next += 1
+            if not slot.resident and slot.on_disk:
+                self.reads[slot.index] = pool.submit(functools.partial(self.store._read, slot))
+                self.store.stats.read_bytes += slot.nbytes
+
+    def _swap_in(self, slot: _Slot) -> None:
+        while slot.index not in self.reads and not slot.resident and slot.on_disk:
+            self._reap(block=True)
+            self._fill()
+        future = self.reads.pop(slot.index, None)
+        if future is not None:
+            self.store._install(slot, self._wait(future))
+        slot.resident = True
+        self.stepping += 1
+
+    def run(self, step: StepBatch) -> None:
+        store, pool = self.store, self.store._pool
+        assert pool is not None
+        self._fill()
+        for batch in self.batches:
+            slots = [s for sg in batch if (s := store.slot(sg)) is not None]
+            for slot in slots:
+                self._swap_in(slot)
+            step(batch)
+            for slot in slots:
+                store._commit_shards(slot)
+                buf = store._pack(slot)
+                self.stepping -= 1
+                if slot.nbytes:
+                    self.writes.append(pool.submit(functools.partial(store._write, slot, buf)))
+                    store.stats.written_bytes += slot.nbytes
+                    slot.on_disk = True
+            self._reap(block=False)
+            self._fill()
+
+    def drain(self) -> None:
+        """Wait for every read and write still in flight (re-raising the first error)."""
+        first: BaseException | None = None
+        for future in [*self.reads.values(), *self.writes]:
+            try:
+                self._wait(future)  # type: ignore[arg-type]
+            except BaseException as exc:
+                first = first or exc
+        self.reads.clear()
+        self.writes.clear()
+        if first is not None:
+            raise first
+
+
+def _cleanup(directory: Path | None, pool: IOPool | None, files: list[SwapFile]) -> None:
+    if pool is not None:
+        pool.close()
+    for f in files:
+        f.close(unlink=True)
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            directory.rmdir()

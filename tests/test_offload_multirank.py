@@ -1,0 +1,218 @@
+"""Optimizer offload (cpu, nvme) trains exactly as in-memory zero3, at world 1 to 4.
+
+Each case trains two sharded copies of one model side by side in every worker: one with
+its optimizer state in memory, one offloaded, and compares their master shards and
+parameter shards bit for bit after every step. Swap I/O is asserted to have happened
+(bytes read and written) and the swap files' pages not to be in the page cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from zero3.comm import GlooBackend
+from zero3.core import Zero3Config, local_grad
+from zero3.core.engine import resident_pages
+from zero3.hooks import shard_module, stats
+from zero3.optim import OffloadError, PartitionedOptimizer
+from zero3.testing.models import build, loss_of
+
+pytestmark = pytest.mark.multirank
+
+LOCAL = 2
+STEPS = 3
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+}
+
+# (optimizer, param_dtype, device, accumulate, clip, overflow at step)
+CASES: dict[str, tuple[str, str | None, str, int, float | None, int | None]] = {
+    "adamw-fp32-nvme": ("adamw", None, "nvme", 1, None, None),
+    "adagrad-bf16-nvme": ("adagrad", "bf16", "nvme", 1, None, None),
+    "sgd-accumulate-clip-nvme": ("sgd-momentum", None, "nvme", 2, 0.05, None),
+    "adamw-fp16-overflow-nvme": ("adamw", "fp16", "nvme", 1, None, 1),
+    "adamw-bf16-cpu": ("adamw", "bf16", "cpu", 1, 0.05, None),
+}
+
+
+def _pair(case: str, root: str) -> dict[str, Any]:
+    """Train in-memory and offloaded copies side by side; compare after every step."""
+    name, dtype, device, accumulate, clip, overflow_at = CASES[case]
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    model, make = build("gpt_tied")
+    twin = copy.deepcopy(model)
+    base = dict(param_persistence_threshold=0, gradient_clipping=clip, param_dtype=dtype,
+                initial_scale_power=8)  # fmt: skip
+    shard_module(model, Zero3Config(**base), comm=comm)
+    offload = {"device": device, "nvme_path": root, "buffer_count": 2}
+    shard_module(
+        twin, Zero3Config(**base, sub_group_size=700, offload_optimizer=offload), comm=comm
+    )
+    cls, kwargs = OPTIMIZERS[name]
+    opts = [PartitionedOptimizer(m, cls, **kwargs) for m in (model, twin)]
+    store = opts[1].offload
+    assert store is not None
+    diffs, written, read = [], [], 0
+    for step in range(STEPS):
+        for m, opt in zip((model, twin), opts, strict=True):
+            for micro in range(accumulate):
+                x = make(LOCAL * n, step * 10 + micro)
+                opt.scale_loss(loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])) / accumulate).backward()
+            if step == overflow_at and r == 0:
+                local_grad(next(iter(m.parameters())))[0] = float("inf")
+            opt.step()
+            opt.zero_grad()
+        written.append(store.stats.written_bytes)
+        read += store.stats.read_bytes
+        shards = [
+            int((pa.detach().float() != pb.detach().float()).sum())
+            for pa, pb in zip(
+                (s.shard for s in _sparams(model)), (s.shard for s in _sparams(twin)), strict=True
+            )
+        ]
+        diffs.append(sum(shards))
+    # Reading the masters brings them back from disk: once, at the end.
+    masters = [int((a != b).sum()) for a, b in
+               zip(opts[0].master_shards(), opts[1].master_shards(), strict=True)]  # fmt: skip
+    diffs.append(sum(masters))
+    files = store.files
+    resident = sum(resident_pages(f)[0] for f in files)
+    direct = store.direct_io
+    result = {
+        "diffs": diffs,
+        "written": written,
+        "read": read,
+        "files": len(files),
+        "resident": resident,
+        "direct": direct,
+        "gathers": stats(twin).gathers,
+        "reductions": stats(twin).reduce_collectives,
+        "subgroups": len(opts[1]._subgroups),
+    }
+    directory = store.directory
+    store.close()
+    result["cleaned"] = directory is None or not directory.exists()
+    return result
+
+
+def _sparams(model: torch.nn.Module) -> list[Any]:
+    from zero3.core.engine import sharded_state
+
+    return list(sharded_state(model).params)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_path):
+    group = worker_pool(world_size)
+    for case in CASES:
+        root = tmp_path / case
+        results = group.run(_pair, case, str(root))
+        for rank, res in enumerate(results):
+            assert res["diffs"] == [0] * (STEPS + 1), (case, rank, res)
+            if world_size > 1:
+                assert res["gathers"] > 0 and res["reductions"] > 0, (case, res)
+            assert res["subgroups"] > 1, res  # several sub-groups: the walk pipelines
+            assert res["cleaned"], (case, res)  # close() removes this rank's files
+            if CASES[case][2] == "nvme":
+                assert res["files"] >= 1 and res["read"] > 0, (case, res)
+                assert res["direct"] and res["resident"] == 0, (case, res)
+            else:
+                assert res["files"] == 0, (case, res)
+            overflow_at = CASES[case][5]
+            if overflow_at is not None:
+                # The overflow step wrote nothing back (and both copies stay equal).
+                assert res["written"][overflow_at] == 0, res
+                assert all(w > 0 for i, w in enumerate(res["written"]) if i != overflow_at)
+        assert not any(root.glob("zero3-*")), case
+
+
+def _fault(kind: str, root: str) -> str:
+    """Break one rank's swap file after a good step; return the error of the next step."""
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    model, make = build("gpt_tied")
+    offload = {"device": "nvme", "nvme_path": root}
+    config = Zero3Config(param_persistence_threshold=0, sub_group_size=700,
+                         offload_optimizer=offload)  # fmt: skip
+    shard_module(model, config, comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    store = opt.offload
+    assert store is not None
+    for step in range(2):
+        if step == 1 and r == n - 1:
+            victim = store.files[0]
+            if kind == "truncated":
+                os.truncate(victim, 4096)
+            else:
+                victim.unlink()
+        x = make(LOCAL * n, step)
+        loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+        try:
+            opt.step()
+        except OffloadError as exc:
+            return str(exc)
+        opt.zero_grad()
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "removed"])
+def test_a_broken_swap_file_on_one_rank_fails_every_rank_alike(worker_pool, kind, tmp_path):
+    results = worker_pool(2).run(_fault, kind, str(tmp_path))
+    assert results[0] == results[1], results  # the same error on the rank whose file is fine
+    assert "optimizer offload failed on rank 1" in results[0]
+    word = "is truncated" if kind == "truncated" else "is gone"
+    assert word in results[0] and "subgroup00000.swp" in results[0], results
+
+
+def _bad_path(root: str) -> str:
+    comm = GlooBackend(timeout_s=30)
+    model, _ = build("gpt_tied")
+    if comm.rank == 1:
+        # A file stands where rank 1's own swap directory must go (its name holds the
+        # host, process id and rank), so only rank 1 cannot create it.
+        host = socket.gethostname().replace("-", "_")
+        Path(root).mkdir(parents=True, exist_ok=True)
+        (Path(root) / f"zero3-optim-{host}-{os.getpid()}-rank1").write_text("in the way")
+    offload = {"device": "nvme", "nvme_path": root}
+    shard_module(model, Zero3Config(param_persistence_threshold=0,
+                                    offload_optimizer=offload), comm=comm)  # fmt: skip
+    try:
+        PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    except OffloadError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_unusable_nvme_path_on_one_rank_fails_every_rank(worker_pool, tmp_path):
+    results = worker_pool(2).run(_bad_path, str(tmp_path))
+    assert results[0] == results[1], results
+    assert "optimizer offload failed on rank 1" in results[0]
+    assert "cannot create the swap directory" in results[0], results
+
+
+def test_too_little_free_space_is_refused_up_front_naming_path_and_bytes():
+    mount = Path(tempfile.mkdtemp(prefix="zero3-small-"))
+    if os.system(f"mount -t tmpfs -o size=64k tmpfs {mount} 2>/dev/null") != 0:
+        os.rmdir(mount)
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        model, _ = build("gpt_tied")
+        offload = {"device": "nvme", "nvme_path": str(mount)}
+        shard_module(model, Zero3Config(backend="gloo", offload_optimizer=offload))
+        with pytest.raises(OffloadError, match=r"not enough free space .* bytes needed"):
+            PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    finally:
+        os.system(f"umount {mount}")
+        os.rmdir(mount)
