@@ -7,7 +7,7 @@ The state-dict functions themselves (full and sharded) live in ``zero3.core``;
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -61,10 +61,15 @@ def _load_guard(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *
             )
 
 
-def install_state_dict_guards(state: ShardedModelState) -> list[Any]:
-    """Register the save and load guards on every module owning sharded parameters."""
+def install_state_dict_guards(
+    state: ShardedModelState, indices: Sequence[int] | None = None
+) -> list[Any]:
+    """Register the save and load guards on every module (of ``indices``, default all)
+    owning sharded parameters.
+    """
     handles = []
-    for _, module in state.modules:
+    chosen = range(len(state.modules)) if indices is None else indices
+    for module in (state.modules[i][1] for i in chosen):
         if any(True for _ in _sharded_items(module)):
             handles.append(module.register_state_dict_pre_hook(_refuse_unavailable))
             handles.append(module.register_state_dict_post_hook(_copy_gathered))
