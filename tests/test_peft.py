@@ -128,3 +128,68 @@ def test_adapters_added_after_sharding_train_like_one_process(worker_pool, kind,
         assert result["loss"] < 1e-5, result
         assert result["off"] < 1e-5, result
         assert result["gathers"] > 0
+
+
+def _save_and_load(directory: str) -> dict[str, Any]:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from zero3.testing.hf_models import build_hf, tokens
+
+    comm = GlooBackend(timeout_s=60)
+    r = comm.rank
+    config = Zero3Config(param_persistence_threshold=0)
+    model = shard_module(build_hf("llama"), config, comm=comm)
+    peft_model = _wrap(model, "lora_save", seed=100)
+    opt = PartitionedOptimizer(peft_model, torch.optim.AdamW, lr=1e-2)
+    for step in range(2):
+        ids = tokens(2, 10 * r + step)
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    trainable = sum(
+        p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad
+    )
+    whole = peft_model.state_dict()
+    kinds = {
+        type(v).__name__ for k, v in whole.items() if "lora_" not in k and "modules_to" not in k
+    }
+    before = stats(peft_model).gather_payload_bytes
+    peft_model.save_pretrained(directory, is_main_process=r == 0)
+    gathered = stats(peft_model).gather_payload_bytes - before
+    comm.barrier().wait()
+    saved = load_file(f"{directory}/adapter_model.safetensors")
+    ids = tokens(2, 99)
+    with torch.no_grad():
+        logits = peft_model(input_ids=ids).logits
+    # Into a plain model (every rank, one process each), and into a new sharded base.
+    plain = PeftModel.from_pretrained(build_hf("llama"), directory)
+    base2 = shard_module(build_hf("llama"), config, comm=comm)
+    loaded = PeftModel.from_pretrained(base2, directory)
+    with torch.no_grad():
+        plain_logits = plain(input_ids=ids).logits
+        loaded_logits = loaded(input_ids=ids).logits
+    return {
+        "gathered": gathered,
+        "trainable": trainable,
+        "base": sum(p.numel() * p.element_size() for p in base2.parameters()),
+        "base_kinds": sorted(kinds),
+        "saved_keys": sorted(saved),
+        "plain": (plain_logits - logits).abs().max().item(),
+        "sharded": (loaded_logits - logits).abs().max().item(),
+        "adopted": stats(loaded).gathers > 0,
+    }
+
+
+def test_adapters_save_small_and_load_into_plain_and_sharded_bases(worker_pool, tmp_path):
+    results = worker_pool(2).run(_save_and_load, str(tmp_path), timeout=240)
+    for result in results:
+        assert result["plain"] < 1e-5 and result["sharded"] < 1e-5, result
+        # Saving gathered the (sharded) adapters only, never the frozen base (peft reads
+        # the whole state_dict, and the modules_to_save copy's own once more).
+        assert 0 < result["gathered"] <= 2 * result["trainable"], result
+        assert result["gathered"] < result["base"] / 3, result
+        assert "ShardedTensor" in result["base_kinds"], result
+        keys = result["saved_keys"]
+        assert keys and all("lora_" in k or "lm_head" in k for k in keys), keys
+    assert (tmp_path / "adapter_config.json").exists()
