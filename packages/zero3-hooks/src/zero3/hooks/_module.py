@@ -58,7 +58,7 @@ class ShardedModule:
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return copied
 
-    def state_dict(  # type: ignore[override]
+    def state_dict(
         self,
         *args: Any,
         destination: dict[str, Any] | None = None,

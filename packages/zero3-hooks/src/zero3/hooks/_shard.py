@@ -158,7 +158,7 @@ def unshard_module(module: nn.Module) -> nn.Module:
     cls = type(module)
     if issubclass(cls, ShardedModule):
         original = next(c for c in cls.__mro__[1:] if not issubclass(c, ShardedModule))
-        module.__class__ = original  # type: ignore[assignment]
+        module.__class__ = original
     return module
 
 

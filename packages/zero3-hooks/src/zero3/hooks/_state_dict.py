@@ -8,7 +8,7 @@ The state-dict functions themselves (full and sharded) live in ``zero3.core``;
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
