@@ -123,6 +123,10 @@ def _compile(directory: Path) -> float:
     if reason is not None:
         raise ToolchainMissing(f"the zdev test device cannot be built here: {reason}")
     directory.mkdir(parents=True, exist_ok=True)
+    # cpp_extension serialises builds with a ``lock`` file it deletes when done; a build
+    # that was killed (a test timeout) leaves it behind, and every later build then waits
+    # on it forever. Callers hold this key's flock, so no live build owns such a file.
+    (directory / "lock").unlink(missing_ok=True)
     sources = sorted(str(p) for p in SOURCES.glob("*.cpp"))
     env = dict(os.environ)
     env.setdefault("MAX_JOBS", str(os.cpu_count() or 1))  # ninja: one compile per core

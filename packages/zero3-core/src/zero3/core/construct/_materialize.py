@@ -27,8 +27,8 @@ Note (which initialiser writes what):
     is assumed to touch its whole subtree.
 
 Note (freed temporaries stay resident):
-    glibc keeps freed heap blocks in the process (measured: 500 MiB of freed 256 KiB
-    tensors stayed resident until ``malloc_trim``), so a module's full tensors, freed
+    glibc keeps freed heap blocks below its mmap threshold in the process until
+    ``malloc_trim`` (:ref:`fact-glibc-small-blocks`), so a module's full tensors, freed
     after its shards are cut, would still count in the resident set and the next
     module's shards would land elsewhere: the peak would grow with the model, not with
     its shards. After each module the heap is trimmed (``malloc_trim(0)``, glibc only),
