@@ -74,8 +74,7 @@ CASES = [
         "checkpoints.py",
         TORCHRUN,
         [
-            "model.state_dict(): state_dict() of a sharded module: parameter '0.weight' is "
-            "partitioned across ranks",
+            "model.state_dict(): ['Tensor']",
             "resumed losses equal the uninterrupted run: True",
             "async save published ckpt",
             "consolidated: ['model.safetensors']",

@@ -235,10 +235,15 @@ def _api_errors_and_state_dicts() -> dict[str, object]:
         shard_module(model, comm=comm)
     with pytest.raises(ValueError, match="already belongs to a sharded model"):
         shard_module(model.blocks[0], comm=comm)
+    # The whole model's state_dict: trainable parameters whole (gathered), and they load
+    # back through load_state_dict; a submodule's frozen partitioned one is refused.
+    whole = model.state_dict()
+    out["state_dict"] = all(torch.equal(whole[k], v) for k, v in reference.state_dict().items())
+    model.load_state_dict(whole)
+    model.blocks[0].requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"zero3\.hooks\.full_state_dict"):
-        model.state_dict()
-    with pytest.raises(RuntimeError, match=r"zero3\.hooks\.load_full_state_dict"):
-        model.load_state_dict(reference.state_dict())
+        model.blocks[0].state_dict()
+    model.blocks[0].requires_grad_(True)
     full = full_state_dict(model)
     expected = reference.state_dict()
     out["keys"] = sorted(full) == sorted(expected)
@@ -263,7 +268,7 @@ def _api_errors_and_state_dicts() -> dict[str, object]:
 
 def test_state_dicts_errors_and_unshard(worker_pool):
     for rank, result in enumerate(worker_pool(2).run(_api_errors_and_state_dicts)):
-        assert result["keys"] and result["values"]
+        assert result["keys"] and result["values"] and result["state_dict"]
         assert result["rank0_only"] is (rank == 0)
         assert result["loaded"] < 1e-6
         assert result["unsharded"] < 1e-6 and result["plain_state_dict"]

@@ -62,7 +62,12 @@ from zero3.core.params._params import ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
 from zero3.core.state_dict._full import full_state_dict, load_full_state_dict
 from zero3.core.state_dict._groups import checkpoint_group
-from zero3.core.state_dict._sharded import local_flat, sharded_like
+from zero3.core.state_dict._sharded import (
+    finish_module_state_dict,
+    load_module_entry,
+    local_flat,
+    sharded_like,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -101,10 +106,12 @@ __all__ = [
     "checkpoint_group",
     "clone_state_dict",
     "empty_init",
+    "finish_module_state_dict",
     "full_state_dict",
     "in_backward",
     "is_persistent",
     "load_full_state_dict",
+    "load_module_entry",
     "local_flat",
     "make_swap_dir",
     "mark_leaf",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -68,6 +68,10 @@ _COMPILE_REFUSED = (
     "(submodules compiled with torch.compile before shard_module still run compiled "
     "kernels inside it)."
 )
+
+
+#: Installs state-dict guards on some modules of a model (by index); returns the handles.
+GuardInstaller = Callable[[ShardedModelState, Sequence[int]], list[RemovableHandle]]
 
 
 class BackwardListener(Protocol):
@@ -188,9 +192,12 @@ class ParkedHook:
 class ModelHooks:
     """Installs the hooks of one sharded model and hands their events to its step."""
 
-    def __init__(self, state: ShardedModelState) -> None:
+    def __init__(self, state: ShardedModelState, guards: GuardInstaller | None = None) -> None:
         self.state = state
         self.step = state.step
+        self._guards = guards
+        self._guarded: set[int] = set()  # modules with state-dict guards
+        self._version = state.structure_version  # adoptions the hooks have followed
         self._handles: list[RemovableHandle] = []
         self._forward: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
         self._access_dicts: dict[int, tuple[nn.Module, ParamAccessDict]] = {}
@@ -203,8 +210,12 @@ class ModelHooks:
     # -- installation -------------------------------------------------------------------
 
     def install(self) -> None:
-        """Register module, parameter and state-dict hooks."""
+        """Register module, parameter and state-dict hooks (on modules not hooked yet:
+        after an adoption, the new ones).
+        """
         for index, _, module in self.state.hooked_modules():
+            if index in self._forward:
+                continue
             pre = module.register_forward_pre_hook(
                 functools.partial(self._pre_forward, index), with_kwargs=True
             )
@@ -214,10 +225,26 @@ class ModelHooks:
             self._handles += [pre, post]
             self._forward[index] = (pre, post)
         for index, (_, module) in enumerate(self.state.modules):
-            self._watch_reads(index, module)
+            if index not in self._access_dicts and index not in self._plain:
+                self._watch_reads(index, module)
         for sp in self.state.params:
             if sp.param.requires_grad:
                 self._hook_grad(sp)
+        if self._guards is not None:
+            fresh = [i for i in range(len(self.state.modules)) if i not in self._guarded]
+            self._handles += self._guards(self.state, fresh)
+            self._guarded.update(fresh)
+
+    def adopt(self) -> None:
+        """Adopt what was added to the model since sharding (``ShardedModelState.adopt``,
+        a collective when anything was) and hook the new modules and parameters, also
+        after an adoption that building an optimizer made.
+        """
+        self.state.adopt()
+        if self._version != self.state.structure_version:
+            self._version = self.state.structure_version
+            self._owned.clear()
+            self.install()
 
     def _hook_grad(self, sp: ShardedParam) -> None:
         if sp.index in self._grad_hooked:
@@ -299,6 +326,8 @@ class ModelHooks:
             raise RuntimeError(_COMPILE_REFUSED)
         if self.step.running() is None and not in_backward():
             self._span_starts.clear()  # spans a raising forward or backward left open
+            if not self.step.is_open and not self.step.unsharded:
+                self.adopt()  # modules or parameters added since (adapters)
         self._span_begin("fwd", index)
         for sp in self.step.enter_forward(index):
             self._hook_grad(sp)  # unfrozen since the last step (progressive unfreezing)
@@ -418,8 +447,10 @@ def installed(module: nn.Module) -> ModelHooks | None:
     return INSTALLED.get(module)
 
 
-def install_hooks(state: ShardedModelState) -> ModelHooks:
-    """Create and install the hooks of a sharded model."""
-    hooks = ModelHooks(state)
+def install_hooks(state: ShardedModelState, guards: GuardInstaller | None = None) -> ModelHooks:
+    """Create and install the hooks of a sharded model (``guards``: installs the
+    state-dict guards on the given modules, then on each adopted one).
+    """
+    hooks = ModelHooks(state, guards)
     hooks.install()
     return hooks

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
 
-from zero3.core.engine import try_sharded_state
+from zero3.core.engine import finish_module_state_dict, try_sharded_state
 from zero3.hooks._copy import PICKLE_REFUSED
 
 __all__ = ["ShardedModule", "unsharded_class"]
@@ -56,6 +57,41 @@ class ShardedModule:
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return copied
+
+    def state_dict(
+        self,
+        *args: Any,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
+        """``nn.Module.state_dict`` of a sharded model, cheap enough to call on the whole
+        model (peft's ``save_pretrained`` does, then keeps its adapters' keys).
+
+        A collective (every rank calls it). The same keys as the unsharded model's;
+        frozen partitioned parameters are ``ShardedTensor`` values in their natural
+        shapes, viewing this rank's shard (no gather, no copy, what
+        ``zero3.core.sharded_state_dict`` gives); trainable ones are whole copies
+        (gathered); persistent parameters and buffers are whole as usual. With
+        ``keep_vars=True`` the parameters themselves, released or not. Called through a
+        wrapping module (a ``PeftModel``) too: torch's recursion reaches this method.
+        The design and why: docs/transformers.rst, "Whole-model state_dict() of a
+        sharded model".
+        """
+        state = try_sharded_state(self)  # type: ignore[arg-type]
+        if state is None or args:  # unsharded, or torch's deprecated positional form
+            return super().state_dict(  # type: ignore[misc, no-any-return]
+                *args, destination=destination, prefix=prefix, keep_vars=keep_vars
+            )
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]  # torch's
+        before = set(destination)
+        super().state_dict(destination=destination, prefix=prefix, keep_vars=True)  # type: ignore[misc]
+        if not keep_vars:
+            added = [key for key in destination if key not in before]
+            finish_module_state_dict(state, destination, added)
+        return destination
 
     def __copy__(self) -> Any:
         """``copy.copy``: a shallow copy (the same parameters and hooks), as for any module."""

@@ -158,7 +158,7 @@ def unshard_module(module: nn.Module) -> nn.Module:
     cls = type(module)
     if issubclass(cls, ShardedModule):
         original = next(c for c in cls.__mro__[1:] if not issubclass(c, ShardedModule))
-        module.__class__ = original  # type: ignore[assignment]
+        module.__class__ = original
     return module
 
 
@@ -236,10 +236,7 @@ def _refuse_inside_unsharded(state: ShardedModelState, what: str) -> None:
 
 def _install(state: ShardedModelState) -> ModelHooks:
     """Module hooks and state-dict guards for ``state``, removable together."""
-    hooks = install_hooks(state)
-    for handle in install_state_dict_guards(state):
-        hooks.add_handle(handle)
-    return hooks
+    return install_hooks(state, install_state_dict_guards)
 
 
 def _hooks_of(module: nn.Module) -> ModelHooks:

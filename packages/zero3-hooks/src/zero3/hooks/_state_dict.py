@@ -7,12 +7,19 @@ The state-dict functions themselves (full and sharded) live in ``zero3.core``;
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import functools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
 
-from zero3.core.engine import ParamStatus, ShardedModelState, sharded_param
+from zero3.core.engine import (
+    ParamStatus,
+    ShardedModelState,
+    ShardedParam,
+    load_module_entry,
+    sharded_param,
+)
 
 __all__ = ["install_state_dict_guards"]
 
@@ -25,48 +32,106 @@ def _sharded_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
                 yield name, param
 
 
-def _refuse_unavailable(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """state_dict pre-hook: a partitioned parameter has no data to save here."""
-    for name, param in _sharded_items(module):
-        sp = sharded_param(param)
-        if sp is None or sp.status is not ParamStatus.AVAILABLE:
-            raise RuntimeError(
-                f"state_dict() of a sharded module: parameter {prefix + name!r} is partitioned "
-                "across ranks and not gathered here, so its entry would hold no data. Use "
-                "zero3.hooks.full_state_dict(model, rank0_only=False) (every rank calls it; "
-                "it gathers module by module), or save a sharded checkpoint with "
-                "zero3.optim.save_checkpoint."
-            )
+class _SaveGuard:
+    """state_dict hooks of one module owning partitioned parameters, for a
+    ``state_dict()`` called on the module itself (the sharded root's own
+    ``ShardedModule.state_dict`` asks for the variables and gives sharded values).
 
-
-def _copy_gathered(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    """state_dict post-hook: gathered only for now (e.g. inside gathered_parameters), so
-    hand out copies; the storages are freed when the parameters are released.
+    Trainable partitioned parameters are gathered for the call (a collective: every
+    rank calls it, as peft does for a ``modules_to_save`` copy) and handed out as
+    copies; a frozen one that is not gathered has no data here and is refused, naming
+    what to call instead.
     """
-    for name, _ in _sharded_items(module):
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = state_dict[key].detach().clone()
+
+    def __init__(self, state: ShardedModelState) -> None:
+        self.state = state
+        self.pinned: list[ShardedParam] = []
+
+    def pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return  # the variables themselves (the root's state_dict asks for them)
+        wanted = []
+        for name, param in _sharded_items(module):
+            sp = sharded_param(param)
+            if sp is None or sp.status is ParamStatus.AVAILABLE:
+                continue
+            if not sp.requires_grad:
+                raise RuntimeError(
+                    f"state_dict() of a sharded module: frozen parameter {prefix + name!r} is "
+                    "partitioned across ranks and not gathered here, so its entry would hold "
+                    "no data. Call state_dict() on the sharded model (or a module wrapping "
+                    "it): its frozen entries are ShardedTensors viewing each rank's shard. "
+                    "For whole values use zero3.hooks.full_state_dict(model, "
+                    "rank0_only=False) (every rank calls it; it gathers module by module), "
+                    "or save a sharded checkpoint with zero3.optim.save_checkpoint."
+                )
+            wanted.append(sp)
+        if wanted:
+            self.state.pin(wanted)
+            self.pinned.extend(wanted)
+
+    def post(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        """Gathered only for now (for this call, or inside gathered_parameters): hand out
+        copies; the storages are freed when the parameters are released.
+        """
+        try:
+            for name, param in _sharded_items(module):
+                key = prefix + name
+                if key in state_dict and state_dict[key] is not param:  # keep_vars: leave it
+                    state_dict[key] = state_dict[key].detach().clone()
+        finally:
+            pinned, self.pinned = self.pinned, []
+            if pinned:
+                self.state.unpin(pinned)
 
 
-def _load_guard(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-    for name, _ in _sharded_items(module):
-        if prefix + name in state_dict:
-            raise RuntimeError(
-                f"load_state_dict() into a sharded module: parameter {prefix + name!r} is "
-                "partitioned across ranks. Use zero3.hooks.load_full_state_dict(model, "
-                "state_dict), which writes each rank's shard from the full tensors."
-            )
+class _LoadGuard:
+    """load_state_dict hooks of one module: a partitioned parameter's value is written
+    into this rank's shard (and master) by zero3, then taken out of torch's way.
+
+    Note (why the key is taken out):
+        torch would ``copy_`` the value into the parameter, which has no bytes here. The
+        pre-hook writes this rank's part of the value itself (no collective: every rank
+        holds the value, whole or as its own boxes) and removes the key from the dict
+        torch reads (a copy torch made for this module); the post-hook then takes the
+        key off torch's missing keys, so ``strict`` loading still reports only real ones.
+    """
+
+    def __init__(self, state: ShardedModelState) -> None:
+        self.state = state
+        self.written: list[str] = []
+
+    def pre(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name, param in _sharded_items(module):
+            key = prefix + name
+            if key in state_dict:
+                sp = sharded_param(param)
+                assert sp is not None
+                load_module_entry(self.state, key, sp, state_dict.pop(key))
+                self.written.append(key)
+
+    def post(self, module: nn.Module, incompatible: Any) -> None:
+        written, self.written = set(self.written), []
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in written]
 
 
-def install_state_dict_guards(state: ShardedModelState) -> list[Any]:
-    """Register the save and load guards on every module owning sharded parameters."""
+def install_state_dict_guards(
+    state: ShardedModelState, indices: Sequence[int] | None = None
+) -> list[Any]:
+    """Register the save and load guards on every module (of ``indices``, default all)
+    owning sharded parameters.
+    """
     handles = []
-    for _, module in state.modules:
+    chosen = range(len(state.modules)) if indices is None else indices
+    for module in (state.modules[i][1] for i in chosen):
         if any(True for _ in _sharded_items(module)):
-            handles.append(module.register_state_dict_pre_hook(_refuse_unavailable))
-            handles.append(module.register_state_dict_post_hook(_copy_gathered))
-            handles.append(module.register_load_state_dict_pre_hook(_load_guard))
+            saver = _SaveGuard(state)
+            handles.append(module.register_state_dict_pre_hook(saver.pre))
+            # A partial, not the bound method: torch marks the hook with an attribute.
+            handles.append(module.register_state_dict_post_hook(functools.partial(saver.post)))
+            loader = _LoadGuard(state)
+            handles.append(module.register_load_state_dict_pre_hook(loader.pre))
+            handles.append(module.register_load_state_dict_post_hook(loader.post))
     return handles

@@ -128,6 +128,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._constructed = False
         self._zstate: ShardedModelState = sharded_state(module)
+        # Modules and parameters added since sharding (adapters) are adopted first, so
+        # the parameters given here (default: module's trainable ones) are all sharded.
+        self._zstate.adopt()
         self.module = module
         self.flat = flat
         config = self._zstate.config

@@ -51,6 +51,7 @@ class OpKind(enum.IntEnum):
     FULL_GRAD = 7  #: ``full_grad``
     LOAD = 8  #: ``load_full_state_dict``
     VOTE = 9  #: a vote every rank casts (``generate``'s "all ranks finished?")
+    ADOPT = 10  #: comparing parameters and modules added after ``shard_module``
 
     def describe(self) -> str:
         """Words for messages."""
@@ -65,6 +66,7 @@ class OpKind(enum.IntEnum):
             OpKind.FULL_GRAD: "called full_grad",
             OpKind.LOAD: "called load_full_state_dict",
             OpKind.VOTE: "voted whether every rank finished generating (generate)",
+            OpKind.ADOPT: "adopted parameters added to the model after shard_module",
         }[self]
 
 

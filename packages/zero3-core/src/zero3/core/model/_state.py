@@ -25,6 +25,13 @@ from zero3.core.diag._guard import CollectiveGuard, Op, OpKind, waiting_for
 from zero3.core.diag._stats import StatsBook, StepStats
 from zero3.core.diag._tracer import Tracer
 from zero3.core.grads._reducer import GradReducer
+from zero3.core.model._adopt import (
+    ADOPT_TITLE,
+    describe_additions,
+    find_additions,
+    prepare_params,
+    relabel,
+)
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
 from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
@@ -105,8 +112,7 @@ class ShardedModelState:
         self.modules = list(module.named_modules())
         # Headers before size-dependent collectives travel on a host channel of their own.
         self.control = comm.host_channel()
-        names = [name or "<root>" for name, _ in self.modules]
-        self.guard = CollectiveGuard(self.control, comm.rank, names.__getitem__)
+        self.guard = CollectiveGuard(self.control, comm.rank, self._module_name)
         check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
         self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
@@ -133,7 +139,7 @@ class ShardedModelState:
             self.modules, self.params, self.coordinator, self.reducer, self.sync, self.stats
         )
         for sp in self.params:  # param.grad asks the reducer (parameters unfrozen later too)
-            sp.grads = self.reducer
+            sp.grads = self.step
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
         self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
@@ -141,6 +147,8 @@ class ShardedModelState:
         self.unsharded_blocks = 0
         #: The plan of the ``unsharded`` block open now, if any.
         self.unsharded_plan: UnshardedPlan | None = None
+        #: Counts adoptions (:meth:`adopt`): the hooks install theirs on new modules.
+        self.structure_version = 0
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -309,6 +317,47 @@ class ShardedModelState:
                 sp = _params.lookup(param)
                 if sp is not None:
                     self.coordinator.add_external(index, sp)
+
+    def _module_name(self, index: int) -> str:
+        return self.modules[index][0] or "<root>"
+
+    def adopt(self) -> bool:
+        """Adopt modules and parameters added to the model since sharding (a collective
+        when there are any; returns whether there were). The rule: ``zero3.core.model.
+        _adopt``, Note "the adoption rule". Called at every outermost forward (by the
+        hooks) and when an optimizer is built.
+
+        Raises:
+            FingerprintMismatchError: The ranks added different things.
+            RuntimeError: Added in the middle of a step or gradient accumulation window.
+            ValueError: A new parameter is on meta or another device, or belongs to
+                another sharded model.
+        """
+        found = find_additions(self.module, self.modules, lambda p: self.owns(p) is not None)
+        if found is None:
+            return False
+        if self.step.busy:
+            raise RuntimeError(
+                f"zero3: {[n for n, _, _ in found.params][:3]} were added to the sharded model "
+                "in the middle of a step or gradient accumulation window; add parameters "
+                "and modules between optimizer steps"
+            )
+        check_same_model(self.guard, describe_additions(found), OpKind.ADOPT, ADOPT_TITLE)
+        prepare_params(self.comm, self.config, [(n, p) for n, p, _ in found.params])
+        start = len(self.params)
+        owned = []
+        for k, (name, param, owner) in enumerate(found.params):
+            sp = self._shard(start + k, name, param)
+            sp.version, sp.grads = param._version, self.step
+            self.params.append(sp)  # the step, the sync and the reducer share this list
+            owned.append((owner, sp))
+        self.modules[:] = found.modules
+        self.coordinator.adopt(self.modules, owned)
+        relabel(self.module, self.params, [m for _, m in self.modules])
+        trainable = [sp for sp in self.params if sp.requires_grad]
+        self.reducer.replace_params(trainable, self.coordinator.leaf_of())
+        self.structure_version += 1
+        return True
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -737,13 +786,23 @@ def try_sharded_state(module: nn.Module) -> ShardedModelState | None:
 
 
 def sharded_state(module: nn.Module) -> ShardedModelState:
-    """The state of a sharded root module.
+    """The state of a sharded root module, or of the one sharded model inside a wrapper
+    (a ``peft.PeftModel`` around a sharded base).
 
     Raises:
-        ValueError: ``module`` was not passed to ``zero3.hooks.shard_module``.
+        ValueError: ``module`` was not passed to ``zero3.hooks.shard_module`` and holds
+            no sharded module (or several).
     """
     state = _STATES.get(module)
     if state is None:
+        inner = [_STATES[m] for m in module.modules() if m in _STATES]
+        if len(inner) == 1:
+            return inner[0]
+        if inner:
+            raise ValueError(
+                f"{type(module).__name__} holds {len(inner)} sharded models; pass the one "
+                "meant (the module returned by zero3.hooks.shard_module)"
+            )
         raise ValueError(
             f"{type(module).__name__} is not a sharded module: pass the module returned by "
             "zero3.hooks.shard_module(model, config)"

@@ -226,6 +226,22 @@ class TrainingStep:
         self._micro_steps = 0
         self._reducer.end_window(clear=clear)
 
+    def holds_grad(self, sp: ShardedParam) -> bool:
+        """Whether plain PyTorch would hold a gradient of ``sp`` now (``param.grad``)."""
+        return self._reducer.holds_grad(sp)
+
+    def zero_grad_from(self, module: nn.Module) -> bool:
+        """``module.zero_grad()`` runs on a module that may wrap the sharded model (a
+        ``peft.PeftModel``): if it holds the whole model, end the window and clear, as
+        ``ShardedModule.zero_grad`` does (``zero3.core.params._params``, Note "zero_grad
+        of a module wrapping the sharded one"). Returns whether it did.
+        """
+        root = self._modules[0][1]
+        if not any(m is root for m in module.modules()):
+            return False
+        self.end_window(clear=True)
+        return True
+
     def close(self) -> None:
         """End an open step now (the model is being unsharded)."""
         if self._open:

@@ -65,18 +65,33 @@ def describe_model(
     return lines
 
 
-def check_same_model(guard: CollectiveGuard, lines: Sequence[str]) -> None:
-    """Raise on every rank if any rank described a different model (see the Note)."""
+_SHARD_TITLE = (
+    "zero3: shard_module: the ranks sharded different models or configurations "
+    "(every rank must build the same model and pass the same Zero3Config):"
+)
+
+
+def check_same_model(
+    guard: CollectiveGuard,
+    lines: Sequence[str],
+    kind: OpKind = OpKind.CHECK,
+    title: str = _SHARD_TITLE,
+) -> None:
+    """Raise on every rank if any rank described a different model (see the Note).
+
+    ``kind`` and ``title`` name the check in headers and in the error (the model at
+    ``shard_module``, or the parameters added after it).
+    """
     if not guard.active:
         return
     text = "\n".join(lines).encode()
     digest = int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
     try:
-        guard.check(Op(OpKind.CHECK, params=digest, nbytes=len(text)))
+        guard.check(Op(kind, params=digest, nbytes=len(text)))
     except FingerprintMismatchError:
         assert guard.channel is not None
         descriptions = _exchange_text(guard.channel, text)
-        raise FingerprintMismatchError(_differences(descriptions)) from None
+        raise FingerprintMismatchError(_differences(descriptions, title)) from None
 
 
 def _exchange_text(channel: CommBackend, text: bytes) -> list[str]:
@@ -93,7 +108,7 @@ def _exchange_text(channel: CommBackend, text: bytes) -> list[str]:
     return [bytes(rows[r, : int(sizes[r])].tolist()).decode() for r in range(world)]
 
 
-def _differences(descriptions: list[str]) -> str:
+def _differences(descriptions: list[str], title: str) -> str:
     parsed = [dict(line.split("=", 1) for line in text.splitlines()) for text in descriptions]
     keys = list(dict.fromkeys(k for p in parsed for k in p))
     found = []
@@ -105,10 +120,7 @@ def _differences(descriptions: list[str]) -> str:
     shown = found[:_MAX_DIFFERENCES]
     if len(found) > len(shown):
         shown.append(f"  ... and {len(found) - len(shown)} more")
-    return (
-        "zero3: shard_module: the ranks sharded different models or configurations "
-        "(every rank must build the same model and pass the same Zero3Config):\n" + "\n".join(shown)
-    )
+    return title + "\n" + "\n".join(shown)
 
 
 def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:

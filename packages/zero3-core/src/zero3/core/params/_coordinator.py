@@ -324,6 +324,31 @@ class ParamCoordinator:
         self._structure_updated()
         return True
 
+    def adopt(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        owned: Sequence[tuple[int, ShardedParam]],
+    ) -> None:
+        """Take in modules and parameters added after sharding (``ShardedModelState.adopt``).
+
+        ``modules``: every module, the known ones at their old indices (renamed where
+        they moved) and the new ones after them; ``owned``: each new parameter with the
+        index of the module holding it directly. Every trace is recorded again.
+        """
+        self.names = [name or "<root>" for name, _ in modules]
+        self._index = {id(module): i for i, (_, module) in enumerate(modules)}
+        self._children = self._child_lists(modules)
+        grow = len(modules) - len(self._direct)
+        self._direct += [[] for _ in range(grow)]
+        self._external += [[] for _ in range(grow)]
+        for index, sp in owned:
+            self._direct[index].append(sp)
+            if not sp.persistent:
+                self._sharded_numel += sp.numel
+        self._structure_updated()
+        for trace in self.traces.values():
+            trace.invalidate()
+
     def _structure_updated(self) -> None:
         self._fetch_sets.clear()
         self._structure_changed = True

@@ -36,6 +36,17 @@ Note (``param.grad`` of a sharded parameter):
     accumulated into, as autograd does). The subclass changes no op (it defines no
     ``__torch_function__``), so forward and backward pay nothing for it; zero3's own
     hooks read and clear the field directly (:func:`raw_grad`).
+
+Note (``zero_grad`` of a module wrapping the sharded one):
+    ``nn.Module.zero_grad`` reads each parameter's ``grad`` and sets it to None. Called
+    on the sharded root, zero3's ``ShardedModule.zero_grad`` ends the gradient
+    accumulation window first; called on a module that *wraps* it (a ``peft.PeftModel``:
+    the HF Trainer calls ``model.zero_grad()`` on the model it was given) it never
+    reaches zero3, and its first read would raise. So the getter recognises that read:
+    when the calling frame is ``nn.Module.zero_grad`` itself (compared by code object,
+    nothing patched) and its module holds the whole sharded model, the window ends
+    there, exactly as ``ShardedModule.zero_grad`` ends it, and the read gives None. A
+    ``zero_grad`` of a submodule still raises: zero3 cannot clear part of a window.
 """
 
 from __future__ import annotations
@@ -89,10 +100,16 @@ class ParamStatus(enum.Enum):
 
 
 class GradHolder(Protocol):
-    """Where a parameter's gradients go (the model's gradient reducer)."""
+    """Where a parameter's gradients go (the model's training step and reducer)."""
 
     def holds_grad(self, sp: ShardedParam) -> bool:
         """Whether plain PyTorch would hold a gradient of ``sp`` now (see the Note)."""
+        ...
+
+    def zero_grad_from(self, module: nn.Module) -> bool:
+        """``module.zero_grad()`` runs: end the window if ``module`` holds the whole
+        sharded model (returns whether it did; the Note on wrapping modules).
+        """
         ...
 
 
@@ -350,7 +367,9 @@ class ShardedParameter(nn.Parameter):
         if grad is None:
             sp = lookup(self)
             if sp is not None and sp.grads is not None and sp.grads.holds_grad(sp):
-                raise RuntimeError(_no_full_grad(sp.name))
+                zeroing = _zero_grad_caller(sys._getframe(1))
+                if zeroing is None or not sp.grads.zero_grad_from(zeroing):
+                    raise RuntimeError(_no_full_grad(sp.name))
         return grad  # type: ignore[no-any-return]
 
     @grad.setter
@@ -371,6 +390,19 @@ class ShardedParameter(nn.Parameter):
         copy = cls(data, self.requires_grad)
         memo[id(self)] = copy
         return copy  # type: ignore[no-any-return]
+
+
+_MODULE_ZERO_GRAD = nn.Module.zero_grad.__code__
+
+
+def _zero_grad_caller(frame: Any) -> nn.Module | None:
+    """The module whose ``nn.Module.zero_grad`` is the calling frame, or None (the Note
+    on wrapping modules).
+    """
+    if frame is None or frame.f_code is not _MODULE_ZERO_GRAD:
+        return None
+    module = frame.f_locals.get("self")
+    return module if isinstance(module, nn.Module) else None
 
 
 def _no_full_grad(name: str) -> str:

@@ -25,11 +25,14 @@ from torch.distributed._shard.sharded_tensor.shard import Shard
 
 from zero3.core.files._boxes import Box, flat_boxes, join_flat
 from zero3.core.model._state import ShardedModelState, sharded_state, state_of
+from zero3.core.model._unshard import chunks
 from zero3.core.params._params import ParamStatus, ShardedParam, lookup
 from zero3.core.state_dict._full import LoadResult, match_keys, state_dict_entries
 from zero3.core.state_dict._groups import global_ranks
 
 __all__ = [
+    "finish_module_state_dict",
+    "load_module_entry",
     "load_sharded_state_dict",
     "local_flat",
     "sharded_like",
@@ -249,3 +252,63 @@ def _load_entry(
     local = local_flat(value, sp)
     if local.numel():
         sp.write_local(local, masters=masters)  # shard (unless loaded in place), master
+
+
+def finish_module_state_dict(
+    state: ShardedModelState, destination: dict[str, Any], keys: list[str]
+) -> None:
+    """``module.state_dict()`` of a sharded model: turn the entries torch collected as
+    variables (``keep_vars=True``) under ``keys`` into values, by the rule of
+    docs/transformers.rst, "Whole-model state_dict() of a sharded model".
+
+    A frozen partitioned parameter becomes a ``ShardedTensor`` of its natural shape
+    whose local shards are views of this rank's shard (no collective, no copy: what
+    :func:`sharded_state_dict` gives); a trainable partitioned parameter a whole copy,
+    gathered in runs of ``prefetch_bucket_size`` elements (a collective, every rank
+    calls ``state_dict()``); anything else (persistent parameters, buffers) is detached
+    as torch does. Pending edits are merged first (a collective).
+    """
+    state.synchronize()
+    trainable: dict[int, tuple[ShardedParam, list[str]]] = {}
+    for key in keys:
+        value = destination[key]
+        sp = state.owns(value) if isinstance(value, torch.Tensor) else None
+        if sp is None or sp.persistent or sp.aliases_param:
+            if isinstance(value, torch.Tensor):
+                destination[key] = value.detach()
+        elif sp.requires_grad:
+            trainable.setdefault(sp.index, (sp, []))[1].append(key)
+        else:
+            destination[key] = sharded_like(sp, sp.shard[: sp.local_numel])
+    wanted = [sp for sp, _ in trainable.values()]
+    for piece in chunks(wanted, max(1, state.config.prefetch_bucket_size)):
+        state.pin(piece)
+        try:
+            for sp in piece:
+                whole = sp.param.detach().clone()
+                for key in trainable[sp.index][1]:
+                    destination[key] = whole
+        finally:
+            state.unpin(piece)
+
+
+def load_module_entry(state: ShardedModelState, key: str, sp: ShardedParam, value: Any) -> None:
+    """``module.load_state_dict()`` of a partitioned parameter: write this rank's part of
+    ``value`` (a whole tensor of the parameter's shape, or a ``ShardedTensor`` holding
+    this rank's boxes) into its shard and master. Not a collective.
+
+    Raises:
+        ValueError: The value has another shape, or another rank's boxes.
+    """
+    with torch.no_grad():
+        if isinstance(value, ShardedTensor):
+            sp.write_local(local_flat(value, sp).to(sp.dtype))
+            return
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(sp.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"load_state_dict: {key!r} is {got} in the state dict but {tuple(sp.shape)} "
+                "in the model"
+            )
+        flat = value.detach().reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
+        state.write_full(sp, flat)
