@@ -47,12 +47,13 @@ def train(model, opt, steps, first):
 
 
 def save(model, opt, step):
-    # model.state_dict() (every rank): trainable parameters come whole (gathered), frozen
-    # partitioned ones as ShardedTensors viewing this rank's shard. For checkpoints:
-    whole = model.state_dict()
+    # model.state_dict() (every rank): trainable parameters come whole (gathered),
+    # frozen partitioned ones as ShardedTensors viewing this rank's shard.
+    kinds = sorted({type(v).__name__ for v in model.state_dict().values()})
     if RANK == 0:
-        print(f"model.state_dict(): {sorted({type(v).__name__ for v in whole.values()})}")
-    # Every rank writes its own shards; the directory appears once all have finished.
+        print(f"model.state_dict(): {kinds}")
+    # save_checkpoint never gathers: every rank writes its own shards; the directory
+    # appears once all have finished.
     save_checkpoint(DIR / "ckpt", model, opt, extra={"step": step})
 
 

@@ -281,7 +281,7 @@ def finish_module_state_dict(
         else:
             destination[key] = sharded_like(sp, sp.shard[: sp.local_numel])
     wanted = [sp for sp, _ in trainable.values()]
-    for piece in chunks(wanted, max(1, state.config.prefetch_bucket_size)):
+    for piece in chunks(wanted, max(1, state.window.prefetch_numel)):
         state.pin(piece)
         try:
             for sp in piece:
