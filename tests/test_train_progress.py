@@ -15,7 +15,8 @@ from _train.launch import CHILD_FLAG
 from _train.progress import Progress
 from _train.settings import launcher_settings, parser, rank_settings
 
-OFFLOAD = "zero_optimization.offload_optimizer (changes memory)"
+#: A dropped setting that changes memory (offload itself is honoured now).
+DROPPED = "zero_optimization.zero_hpz_partition_size (changes memory)"
 
 
 def _steps(progress: Progress, total: int) -> None:
@@ -63,30 +64,30 @@ def test_a_resumed_run_reports_its_first_step(tmp_path):
 
 
 @pytest.fixture
-def offload_config(tmp_path, monkeypatch):
+def dropped_config(tmp_path, monkeypatch):
     for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", CHILD_FLAG):
         monkeypatch.delenv(key, raising=False)
     path = tmp_path / "ds.json"
     path.write_text(
         '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": '
-        '{"stage": 3, "offload_optimizer": {"device": "cpu"}}}'
+        '{"stage": 3, "zero_hpz_partition_size": 8}}'
     )
     return parser().parse_args(["--deepspeed-config", str(path)])
 
 
-def test_the_config_warning_is_shown_once(offload_config, monkeypatch, capsys, caplog):
+def test_the_config_warning_is_shown_once(dropped_config, monkeypatch, capsys, caplog):
     caplog.set_level(logging.WARNING, logger="zero3.core")
-    launcher_settings(offload_config, 2)  # the launcher: its notes on stdout
-    assert capsys.readouterr().out.count(OFFLOAD) == 1
+    launcher_settings(dropped_config, 2)  # the launcher: its notes on stdout
+    assert capsys.readouterr().out.count(DROPPED) == 1
     caplog.clear()
     monkeypatch.setenv(CHILD_FLAG, "1")  # a rank it started: not again
     monkeypatch.setenv("RANK", "0")
-    rank_settings(offload_config, 2)
-    assert OFFLOAD not in caplog.text
+    rank_settings(dropped_config, 2)
+    assert DROPPED not in caplog.text
     assert logging.getLogger("zero3.core").level == logging.WARNING  # caplog's, put back
     monkeypatch.delenv(CHILD_FLAG)  # rank 0 under torchrun: the only copy, so it stays
-    rank_settings(offload_config, 2)
-    assert caplog.text.count(OFFLOAD) == 1
+    rank_settings(dropped_config, 2)
+    assert caplog.text.count(DROPPED) == 1
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="cpu|nvme:DIR",
         help="Zero3Config.offload_param (read and checked; parameter shards stay where "
-        "the parameters are in this version)",
+        "the parameters are in this version; default: none)",
     )
     ckpt = p.add_argument_group("checkpoints (torch.distributed.checkpoint, any number of ranks)")
     ckpt.add_argument(
