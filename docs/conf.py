@@ -51,6 +51,11 @@ nitpicky = True
 # the inventories of Python, torch or pluggy. References to their types therefore
 # cannot resolve; each ignore below is limited to one such external namespace.
 nitpick_ignore_regex = [
+    # Private type variables of generic helpers (``_T``) have no page of their own.
+    (r"py:class", r"zero3\..+\._T"),
+    # PartitionedOptimizer.offload's store is made by the optimizer, not by users; its
+    # stats, files and close() are described on the property and on the Offload page.
+    (r"py:class", r"zero3\.optim\._offload\.OffloadStore"),
     # torch: tensors, dtypes, devices, nn.Module, optimizers, process groups. Type hints
     # render under torch's real module paths (torch.nn.modules.module.Module...).
     (r"py:(class|obj|exc)", r"torch(\..+)?"),

@@ -139,7 +139,12 @@ def refuse_global_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 class OffloadStore:
-    """The offloaded sub-groups of one PartitionedOptimizer and their swap files."""
+    """The offloaded sub-groups of one PartitionedOptimizer and their swap files.
+
+    Made by the optimizer (``PartitionedOptimizer.offload``), not by users: read its
+    ``stats`` (I/O of the last step) and ``files``, or ``close()`` it to remove the swap
+    files before the optimizer is garbage-collected.
+    """
 
     def __init__(
         self,

@@ -66,7 +66,7 @@ class GatherWindow:
         element_size: Bytes per element of the largest gathered dtype.
         world_size: Ranks the model is sharded over.
         shard_bytes: Parameter plus gradient shard bytes this rank holds (the pool's cap).
-        auto: The window fields (names as in :data:`FIELDS`) sized from the model.
+        auto: The window fields (names as in ``FIELDS``) sized from the model.
     """
 
     prefetch_numel: int
@@ -82,9 +82,10 @@ class GatherWindow:
 
     @property
     def bound_numel(self) -> int:
-        """Most elements gathered at once during a step: what prefetching may reach,
-        plus the kept reuse window and the unit running (and one more unit for a
-        parameter that crosses a bound), never more than the model.
+        """The most elements gathered at once during a step.
+
+        What prefetching may reach, plus the kept reuse window and the unit running (and
+        one more unit for a parameter that crosses a bound), never more than the model.
         """
         return min(self.sharded_numel, self.live_numel + self.reuse_numel + 2 * self.unit_numel)
 
@@ -95,9 +96,11 @@ class GatherWindow:
 
     @property
     def pool_bytes(self) -> int:
-        """The buffer pool's bound: the receive buffers of two prefetch windows (each the
-        largest fetch unit at least) and one send buffer (``1/N`` of a window), never more
-        than the parameter and gradient shards this rank holds.
+        """The buffer pool's bound, in bytes.
+
+        The receive buffers of two prefetch windows (each the largest fetch unit at least)
+        and one send buffer (``1/N`` of a window), never more than the parameter and
+        gradient shards this rank holds.
         """
         window = max(self.prefetch_numel, self.unit_numel) * self.element_size
         two = 2 * window + window // max(1, self.world_size) + (1 << 20)

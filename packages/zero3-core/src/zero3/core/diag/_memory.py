@@ -169,8 +169,8 @@ class ModelStatesEstimate:
         window: The gather window the model would get (None for a parameter count at
             world 1, or where nothing is gathered).
         window_bytes: The most parameter bytes gathered at once
-            (:attr:`GatherWindow.bound_bytes`).
-        pool_bytes: The buffer pool's bound (:attr:`GatherWindow.pool_bytes`).
+            (:attr:`~zero3.core.engine.GatherWindow.bound_bytes`).
+        pool_bytes: The buffer pool's bound (:attr:`~zero3.core.engine.GatherWindow.pool_bytes`).
         buffer_bytes: Gather and bucket buffers in use on top of the gathered
             parameters: one gather being copied out and five buckets (four reductions
             in flight and the one filling), each a chunk or the largest parameter.

@@ -183,10 +183,8 @@ class ParamCoordinator:
         guard: Exchanges a header before each gather (see the guard's Note); without
             one, gathers are checked by their in-band fingerprints, once per step.
 
-    Attributes:
-        window: The resolved gather window every prefetch, release and chunk follows
-            (:meth:`resolve_window` sets it from the fetch units; the model state calls
-            it once the leaves are known).
+    The resolved gather window (:attr:`window`) is set by :meth:`resolve_window` from the
+    fetch units; the model state calls it again once the leaves are known.
     """
 
     def __init__(

@@ -190,7 +190,7 @@ def load_sharded_state_dict(
     *,
     update_masters: bool = True,
 ) -> LoadResult:
-    """Write a state dict from :func:`sharded_state_dict` (filled by DCP) into the model.
+    """Write a :func:`~zero3.core.sharded_state_dict` that DCP filled into the model.
 
     Values that DCP loaded in place (views of the shards) need no copy; others are
     copied into this rank's shard. Whole values (persistent parameters, buffers, or
@@ -263,7 +263,7 @@ def finish_module_state_dict(
 
     A frozen partitioned parameter becomes a ``ShardedTensor`` of its natural shape
     whose local shards are views of this rank's shard (no collective, no copy: what
-    :func:`sharded_state_dict` gives); a trainable partitioned parameter a whole copy,
+    :func:`~zero3.core.sharded_state_dict` gives); a trainable partitioned parameter a whole copy,
     gathered in runs of ``prefetch_bucket_size`` elements (a collective, every rank
     calls ``state_dict()``); anything else (persistent parameters, buffers) is detached
     as torch does. Pending edits are merged first (a collective).
