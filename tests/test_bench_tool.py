@@ -35,7 +35,7 @@ def test_bench_runs_reports_every_system_and_profiles_zero3():
     # One run (each bench launch costs seconds of interpreter starts): the table, the
     # memory table and the profile of zero3's steps (the profiler changes no figure the
     # test reads: losses, bytes, counts, held state).
-    result = _bench("--systems", "ddp,zero3,zero3:overlap_comm=false", "--profile")
+    result = _bench("--systems", "ddp,zero3:overlap_comm=false", "--profile")
     timing, memory = result.stdout.split("#### memory per rank")
     timing = timing.split("| phase |")[0]  # the profile's tables follow the systems' table
     rows = {
@@ -43,10 +43,10 @@ def test_bench_runs_reports_every_system_and_profiles_zero3():
         for line in timing.splitlines()
         if line.startswith("| ") and not line.startswith("| system")
     }
-    assert set(rows) == {"ddp", "zero3", "zero3:overlap_comm=false"}, result.stdout
+    assert set(rows) == {"ddp", "zero3:overlap_comm=false"}, result.stdout
     for name, cells in rows.items():
         assert float(cells[-1]) < 1e-4, (name, cells)  # same losses as one process
-    for name in ("zero3", "zero3:overlap_comm=false"):
+    for name in ("zero3:overlap_comm=false",):
         cells = rows[name]
         assert "measured" in cells[5] and float(cells[5].split()[0]) > 0, cells
         assert float(cells[6].rstrip("%")) > 99.0, cells  # elements sharded
@@ -59,7 +59,7 @@ def test_bench_runs_reports_every_system_and_profiles_zero3():
     }
     assert set(mem) == set(rows), memory
     assert all(float(cells[2]) > 0 for cells in mem.values()), memory
-    held, unsharded = (float(x) for x in mem["zero3"][4].split(" / "))
+    held, unsharded = (float(x) for x in mem["zero3:overlap_comm=false"][4].split(" / "))
     assert 0.45 < held / unsharded < 0.55, memory
     assert "theory: ZeRO-3 saves 16·Ψ·(N-1)/N" in memory
     gathers = re.findall(r"^(\S+): (\d+) gathers \+ (\d+) reductions", result.stdout, re.M)
@@ -75,3 +75,19 @@ def test_bench_runs_reports_every_system_and_profiles_zero3():
     ):
         assert float(phases[phase]) > 0, result.stdout
     assert "largest engine self times" in result.stdout
+
+
+def test_bench_lora_trains_adapters_on_the_sharded_base_and_reduces_only_them():
+    # zero3 only (the reference is the one process running peft): the cheapest launch.
+    result = _bench("--lora", "2", "--systems", "zero3-keep-frozen")
+    assert "LoRA rank 2 on a frozen base" in result.stdout, result.stdout
+    row = next(x for x in result.stdout.splitlines() if x.startswith("| zero3-keep-frozen |"))
+    cells = [c.strip() for c in row.split("|")[2:-1]]
+    assert float(cells[-1]) < 1e-4, cells  # the same losses as one process
+    # The measured model state is the LoRA one: 4·Ψ of frozen parameters plus 12·T of
+    # adapter gradients and moments (16·Ψ would mean the base had them too), half per rank.
+    expected = float(re.search(r"\(4·Ψ \+ 12·T\) = (\d+) MiB unsharded", result.stdout)[1])
+    cells = result.stdout.split("| zero3-keep-frozen | ")[2].split("|")
+    held, unsharded = (float(x) for x in cells[4].split(" / "))
+    assert abs(unsharded - expected) <= 0.05 * expected, result.stdout
+    assert 0.45 < held / unsharded < 0.55, result.stdout

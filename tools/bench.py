@@ -6,6 +6,7 @@
     ./dev run python tools/bench.py --world 4 --steps 2 --systems zero3,zero3-release  # bytes
     ./dev run python tools/bench.py --rounds 1 --systems ddp,zero3 --profile  # phases
     ./dev run python tools/bench.py --systems ddp,fsdp2,zero3,zero3-release  # + memory
+    ./dev run python tools/bench.py --lora 8 --systems ddp,fsdp2,zero3,zero3-keep-frozen
 
 Every (system, round) runs in fresh processes (so peak RSS is that system's), with one
 thread per rank. Per round, each system's median step time of the slowest rank; the
@@ -46,7 +47,8 @@ def launch(
         env = rank_env(rank, world, port, threads or args.threads)
         env["DS_ACCELERATOR"] = "cpu"
         cmd = [sys.executable, __file__, "--worker", system, "--layers", str(args.layers),
-               "--steps", str(args.steps + args.warmup), "--batch", str(batch)]  # fmt: skip
+               "--steps", str(args.steps + args.warmup), "--batch", str(batch),
+               "--lora", str(args.lora)]  # fmt: skip
         if args.profile and system.startswith("zero3"):
             cmd += ["--profile-after", str(args.warmup)]
         procs.append(
@@ -163,6 +165,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="untimed first steps per run")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="train peft LoRA adapters of rank R on a frozen base (every system; needs peft)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument(
@@ -179,7 +188,7 @@ def main() -> None:
     if args.worker:
         from _bench import systems
 
-        workload = Workload(layers=args.layers, batch=args.batch)
+        workload = Workload(layers=args.layers, batch=args.batch, lora=args.lora)
         systems.main(args.worker, workload, args.steps, args.profile_after)
         return
     world = 1 if args.world1 else args.world
@@ -206,8 +215,11 @@ def main() -> None:
                 flush=True,
             )
     print()
-    print(report(results, base, ref, f"world {world}, {args.layers} layers"))
-    print(memory.report(results, world, memory.model_numel(Workload(layers=args.layers))))
+    lora = f", LoRA rank {args.lora} on a frozen base" if args.lora else ""
+    print(report(results, base, ref, f"world {world}, {args.layers} layers{lora}"))
+    workload = Workload(layers=args.layers, lora=args.lora)
+    trainable = workload.lora_numel if args.lora else None
+    print(memory.report(results, world, memory.model_numel(workload), trainable))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def test_frozen():
         ({"max_live_parameters": "big"}, "max_live_parameters must be an integer"),
         ({"overlap_comm": 1}, "overlap_comm must be true or false"),
         ({"grad_reduce_op": "allreduce"}, "'reduce_scatter' or 'all_reduce'"),
+        ({"frozen_params": "shard"}, "frozen_params must be 'regather'"),
         ({"param_dtype": torch.int32}, "param_dtype must be a floating dtype"),
         ({"reduce_dtype": "half-ish"}, "reduce_dtype must be None"),
         ({"gradient_clipping": -1}, "gradient_clipping must be >= 0"),

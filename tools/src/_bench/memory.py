@@ -5,7 +5,8 @@ before its model exists (the baseline: interpreter, torch, gloo), and again at t
 the growth between the two is what the system itself costs. For fp32 AdamW the model
 state of one unsharded process is ``16·Ψ`` bytes (parameters, gradients, two moments);
 ZeRO-3 keeps ``16·Ψ/N`` of it per rank, so against DDP (which holds all of it, plus
-its gradient buckets) the theory saves ``16·Ψ·(N-1)/N`` per rank.
+its gradient buckets) the theory saves ``16·Ψ·(N-1)/N`` per rank. With LoRA on a
+frozen base only the ``T`` adapter elements have gradients and moments: ``4·Ψ + 12·T``.
 """
 
 from __future__ import annotations
@@ -35,13 +36,20 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median(max(r[key]) if isinstance(r[key], list) else r[key] for r in runs)
 
 
-def report(results: dict[str, list[dict[str, Any]]], world: int, psi: int) -> str:
-    """A markdown table of peak RSS per system and the saving against the theory."""
-    theory = 16 * psi * (world - 1) / world
+def report(
+    results: dict[str, list[dict[str, Any]]], world: int, psi: int, trainable: int | None = None
+) -> str:
+    """A markdown table of peak RSS per system and the saving against the theory
+    (``trainable``: the adapter elements of a LoRA run, whose base is frozen)."""
+    state, formula = 16 * psi, "16·Ψ"
+    if trainable is not None:
+        state, formula = 4 * psi + 12 * trainable, "(4·Ψ + 12·T)"
+    theory = state * (world - 1) / world
+    lora = " (LoRA: T trainable, the base frozen)" if trainable is not None else ""
     lines = [
         "",
-        f"#### memory per rank (world {world}; fp32 AdamW model state: 16·Ψ = "
-        f"{16 * psi / MiB:.0f} MiB unsharded, 16·Ψ/N = {16 * psi / world / MiB:.0f} MiB sharded)",
+        f"#### memory per rank (world {world}; fp32 AdamW model state{lora}: {formula} = "
+        f"{state / MiB:.0f} MiB unsharded, /N = {state / world / MiB:.0f} MiB sharded)",
         "",
         "| system | baseline RSS (MiB) | peak RSS (MiB) | growth over baseline (MiB) "
         "| below DDP (MiB) | model state held / unsharded (MiB) | peak gathered params (MiB) "
@@ -72,7 +80,10 @@ def report(results: dict[str, list[dict[str, Any]]], world: int, psi: int) -> st
         if name in growth and runs[-1].get("window"):
             lines.append(f"\n{name} gather window: {runs[-1]['window']}")
     if ddp is not None and world > 1:
-        lines += ["", f"theory: ZeRO-3 saves 16·Ψ·(N-1)/N = {theory / MiB:.0f} MiB per rank vs DDP"]
+        lines += [
+            "",
+            f"theory: ZeRO-3 saves {formula}·(N-1)/N = {theory / MiB:.0f} MiB per rank vs DDP",
+        ]
         for name in growth:
             if name.startswith("zero3"):
                 saved = ddp - growth[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -23,7 +24,7 @@ import torch.distributed.nn
 from _train.report import peak_rss_bytes, rss_baseline
 
 from _bench import phases
-from _bench.workload import Workload, batch, build
+from _bench.workload import Workload, batch, build, with_lora
 
 StepFn = Callable[[int], float]
 
@@ -55,42 +56,50 @@ def _loop_step(
     return step
 
 
-def _theory(numel: int, world: int, psis: int, sharded: float) -> dict[str, Any]:
+def _theory(numel: int, world: int, psis: float, sharded: float) -> dict[str, Any]:
     """Result fields of a system moving ``psis`` x Psi (N-1)/N fp32 bytes per step."""
     payload = psis * 4 * numel * (world - 1) / world
     return {"sharded": sharded, "payload": payload, "payload_kind": "theory"}
 
 
-def _numel(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _numel(model: Any, trainable: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+
+
+def _trainable(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _plain(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     """One process, no distribution (the reference, or the world-1 baseline)."""
-    model = build(w)
-    opt = _adamw(model.parameters(), w)
+    model = with_lora(build(w), w)
+    opt = _adamw(_trainable(model), w)
     return _loop_step(model, opt, w, rank, world), {"sharded": 0.0}
 
 
 def _ddp(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(build(w))
-    opt = _adamw(model.parameters(), w)
-    return _loop_step(model, opt, w, rank, world), _theory(_numel(model), world, 2, sharded=0.0)
+    model = DistributedDataParallel(with_lora(build(w), w))
+    opt = _adamw(_trainable(model), w)
+    # An all-reduce of the trainable gradients (2 x their bytes x (N-1)/N).
+    payload = _theory(_numel(model, trainable=True), world, 2, sharded=0.0)
+    return _loop_step(model, opt, w, rank, world), payload
 
 
 def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     from torch.distributed.fsdp import fully_shard
 
-    model = build(w)
-    for block in model.blocks:
+    model = with_lora(build(w), w)
+    for block in model.get_base_model().blocks if w.lora else model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = _adamw(model.parameters(), w)
+    opt = _adamw(_trainable(model), w)
     # Root params reshard after forward too (reshard_after_forward=True): all-gather in
-    # forward and backward, reduce-scatter in backward.
-    return _loop_step(model, opt, w, rank, world), _theory(_numel(model), world, 3, sharded=1.0)
+    # forward and backward, reduce-scatter of the trainable gradients in backward.
+    psi, trainable = _numel(model), _numel(model, trainable=True)
+    payload = _theory(psi, world, 2 + trainable / psi, sharded=1.0)
+    return _loop_step(model, opt, w, rank, world), payload
 
 
 def _zero3(
@@ -110,6 +119,7 @@ def _zero3(
         with empty_init():
             model = build(w)
     shard_module(model, Zero3Config(backend="gloo", **config))
+    model = with_lora(model, w)  # adapters on the sharded base (the big-model flow)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
     held: list[int] = []  # model state after each backward (gradients and optimizer state)
     step = _loop_step(
@@ -188,6 +198,8 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
         max_reuse_distance=1_000_000_000,
         overlap_chunk_size=4_194_304,
     ),
+    "zero3-keep-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="keep"),
+    "zero3-replicate-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="replicate"),
     "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),
     "zero3-release-eager-build": lambda w, r, n: _zero3(
         w, r, n, eager_build=True, max_reuse_distance=0
@@ -198,7 +210,7 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
 
 def lookup(system: str) -> Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]:
     """A system by name; ``zero3:key=value:key=value`` is zero3 with config overrides
-    (numbers parsed as int or float, ``true``/``false`` as bools).
+    (numbers parsed as int or float, ``true``/``false`` as bools, anything else a string).
     """
     name, *overrides = system.split(":")
     if not overrides:
@@ -208,7 +220,12 @@ def lookup(system: str) -> Callable[[Workload, int, int], tuple[StepFn, dict[str
     config: dict[str, Any] = {}
     for item in overrides:
         key, _, text = item.partition("=")
-        value = json.loads(text.lower()) if text.lower() in ("true", "false") else float(text)
+        value: Any = text
+        if text.lower() in ("true", "false"):
+            value = json.loads(text.lower())
+        else:
+            with contextlib.suppress(ValueError):  # else a string (frozen_params=keep)
+                value = float(text)
         config[key] = int(value) if isinstance(value, float) and value.is_integer() else value
     return lambda w, r, n: _zero3(w, r, n, **config)
 

@@ -21,11 +21,20 @@ class Workload:
     batch: int = 4
     lr: float = 1e-3
     seed: int = 0
+    #: LoRA rank (0: full training). With it every system trains peft LoRA adapters of
+    #: this rank on the four linears of each block; the base is frozen.
+    lora: int = 0
 
     @property
     def layer_numel(self) -> int:
         """Parameters of one block (four linears with biases, two layer norms)."""
         return 12 * self.d_model**2 + 13 * self.d_model
+
+    @property
+    def lora_numel(self) -> int:
+        """LoRA parameters of the model: ``r·(in + out)`` for each of the four linears
+        of every block (qkv d→3d, proj d→d, fc d→4d, out 4d→d)."""
+        return self.layers * self.lora * 16 * self.d_model
 
 
 class GPTShape(Protocol):
@@ -61,6 +70,22 @@ def build(w: Workload) -> GPT:
     """The model, identical on every rank and in every system."""
     torch.manual_seed(w.seed)
     return gpt(w)
+
+
+#: The linears LoRA adapts in every block (the "flat" layout's names).
+LORA_TARGETS = ["qkv", "proj", "fc", "out"]
+
+
+def with_lora(model: torch.nn.Module, w: Workload) -> torch.nn.Module:
+    """peft's LoRA on ``model`` (rank ``w.lora``; ``model`` as it is when not LoRA), with
+    the same adapter values in every system and on every rank."""
+    if not w.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(w.seed + 1)
+    config = LoraConfig(r=w.lora, lora_alpha=2 * w.lora, target_modules=LORA_TARGETS)
+    return get_peft_model(model, config)  # type: ignore[no-any-return]
 
 
 def batch(w: Workload, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

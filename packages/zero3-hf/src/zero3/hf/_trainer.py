@@ -26,7 +26,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rota
 from transformers.training_args import ParallelMode
 
 from zero3.core import Zero3Config
-from zero3.core.engine import checkpoint_group, raise_on_every_rank, try_sharded_state
+from zero3.core.engine import (
+    ShardedModelState,
+    checkpoint_group,
+    raise_on_every_rank,
+    sharded_state,
+    try_sharded_state,
+)
 from zero3.hf._args import take_deepspeed
 from zero3.hf._checkpoint import restore_rng, rng_key, rng_state, scheduler_text, zero3_dir
 from zero3.hf._config import (
@@ -178,7 +184,7 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
                 "(from_pretrained(distributed_config=...)); load it without it (or with "
                 "zero3.hf.sharded_from_pretrained) so zero3 shards it"
             )
-        state = try_sharded_state(model)
+        state = _inner_state(model)
         if state is not None:
             if self._zero3_source is not None:
                 raise ValueError(
@@ -208,6 +214,18 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         # must be made where the comm backend works (a model too large for that is built
         # sharded instead: sharded_from_pretrained).
         return shard_module(model.to(args.device), config)
+
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        """``model.to(device)``, reaching the sharded model inside a wrapper: torch's
+        ``Module.to`` on a ``PeftModel`` recurses with ``_apply``, which never calls the
+        sharded module's own ``to`` and would read its released parameters.
+        """
+        if try_sharded_state(model) is not None or _inner_state(model) is None:
+            model.to(device)
+            return
+        for module in model.modules():
+            if try_sharded_state(module) is not None:
+                module.to(device)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init``'s model, sharded."""
@@ -333,6 +351,8 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         else:
             self._save_zero3_checkpoint(output_dir)
             self._save_pretrained_files(output_dir)
+            if _is_adapter_model(self.model):
+                self._save_adapters(output_dir)  # the stock Trainer's checkpoint holds them
         if (
             self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
             and self.state.best_global_step
@@ -441,6 +461,11 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         _log.info("zero3: loading the best model from %s", best)
         if os.path.isdir(zero3_dir(best)):
             load_checkpoint(zero3_dir(best), self.model, None)
+        elif _is_adapter_model(self.model):  # save_only_model: the adapters' file
+            from peft import set_peft_model_state_dict
+
+            path = os.path.join(best, "adapter_model.safetensors")
+            set_peft_model_state_dict(self.model, safetensors.torch.load_file(path))
         else:  # save_only_model: consolidated safetensors
             load_full_state_dict(self.model, _read_safetensors(best))
 
@@ -453,6 +478,14 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
+        if _is_adapter_model(self.model):
+            self._save_adapters(output_dir)
+        else:
+            self._save_weights(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_weights(self, output_dir: str) -> None:
         staging = os.path.join(output_dir, _CONSOLIDATING)
         save_checkpoint(staging, self.model, None)
         error: BaseException | None = None
@@ -464,8 +497,21 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
             except Exception as exc:
                 error = exc
         raise_on_every_rank(checkpoint_group(self.model), error)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_adapters(self, output_dir: str) -> None:
+        """A ``PeftModel``'s adapters as the stock Trainer writes them
+        (``adapter_model.safetensors``, ``adapter_config.json``): every rank calls peft's
+        ``save_pretrained`` (the adapters' gathers are collectives; the frozen base is
+        never gathered), rank 0 writes.
+        """
+        error: BaseException | None = None
+        try:
+            self.model.save_pretrained(output_dir, is_main_process=self.args.process_index == 0)
+            if self.args.process_index == 0:
+                self._save_extras(output_dir)
+        except Exception as exc:
+            error = exc
+        raise_on_every_rank(checkpoint_group(self.model), error)
 
     def _save_extras(self, output_dir: str) -> None:
         """What ``Trainer._save`` writes beside the weights (rank 0)."""
@@ -487,6 +533,24 @@ _GATHER_ON_SAVE = tuple(
         "stage3_gather_fp16_weights_on_model_save",
     )
 )
+
+
+def _inner_state(model: nn.Module) -> ShardedModelState | None:
+    """The sharded model's state: ``model`` itself, or the one sharded model inside a
+    wrapper built after sharding (a ``peft.PeftModel`` around a sharded base).
+    """
+    state = try_sharded_state(model)
+    if state is None and any(try_sharded_state(m) is not None for m in model.modules()):
+        state = sharded_state(model)  # raises if the wrapper holds several
+    return state
+
+
+def _is_adapter_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (peft is optional: not imported here)."""
+    return any(
+        cls.__name__ == "PeftModel" and cls.__module__.startswith("peft.")
+        for cls in type(model).__mro__
+    )
 
 
 def gathers_weights_on_save(config: Zero3Config | None) -> bool:

@@ -160,7 +160,9 @@ class TrainingStep:
         ``backward_follows`` its outputs carry the pre-backward hook. The step ends with
         the outermost forward unless a backward will follow.
         """
-        self._coordinator.release_sub_module(self._modules[index][1])
+        self._coordinator.release_sub_module(
+            self._modules[index][1], backward_follows=backward_follows and self._training
+        )
         self._stack.pop()
         if backward_follows:
             self._pending[index] = self._pending.get(index, 0) + 1

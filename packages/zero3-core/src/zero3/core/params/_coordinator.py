@@ -231,6 +231,12 @@ class ParamCoordinator:
         self.live_numel = 0
         self.live_bytes = 0
         self._high_bytes = 0  # most gathered bytes at once in this step
+        # Frozen parameters kept whole from forward until their backward
+        # (frozen_params="keep") or from their first use on ("replicate"): index ->
+        # elements. They do not count against the live-parameter bound that stops
+        # prefetching.
+        self._kept_frozen: dict[int, int] = {}
+        self._kept_numel = 0
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
         self.window = self.resolve_window()
         self.gather_stream = comm.new_stream() if config.overlap_comm else comm.current_stream()
@@ -407,6 +413,9 @@ class ParamCoordinator:
         self._inflight.clear()
         for sp in all_params:
             sp.holds = 0
+            if sp.index in self._kept_frozen and self.config.frozen_params == "replicate":
+                self._keep_edit(sp)  # stays whole; an in-place edit still reaches the shard
+                continue
             self._release(sp)
         self.verify_gathers()
         trace = self.trace
@@ -477,19 +486,29 @@ class ParamCoordinator:
         if traced:
             self._prefetch(position, at)
 
-    def release_sub_module(self, module: nn.Module) -> None:
+    def release_sub_module(self, module: nn.Module, *, backward_follows: bool = False) -> None:
         """Release the module's parameters, keeping those the trace uses again within
-        ``max_reuse_distance`` elements.
+        ``max_reuse_distance`` elements, and the frozen ones under
+        ``frozen_params="replicate"``, or under ``"keep"`` with ``backward_follows`` (a
+        forward exit whose outputs carry gradients: its backward finds them whole).
         """
         index = self.index_of(module)
         params = self.fetch_set(index)
         keep: frozenset[int] = frozenset()
         if self.trace.state is TraceState.COMPLETE and not self.diverged and self.cap_bytes is None:
             keep = self.trace.reused_within(self.position, index, self.window.reuse_numel)
+        mode = self.config.frozen_params
+        keep_frozen = mode == "replicate" or (mode == "keep" and backward_follows)
         for sp in params:
             sp.holds = max(0, sp.holds - 1)
-            if sp.holds == 0 and sp.index not in keep:
-                self._release(sp)
+            if sp.holds > 0 or sp.index in keep:
+                continue
+            if keep_frozen and not sp.requires_grad and sp.status is not ParamStatus.NOT_AVAILABLE:
+                if sp.index not in self._kept_frozen:
+                    self._kept_frozen[sp.index] = sp.numel
+                    self._kept_numel += sp.numel
+                continue
+            self._release(sp)
 
     def fetch_params(
         self, params: Sequence[ShardedParam], module_index: int, at: Moment, pin: bool = False
@@ -715,7 +734,8 @@ class ParamCoordinator:
             return
         if self.live_numel >= self._sharded_numel:
             return  # everything is gathered already (a window as large as the model)
-        budget = min(self.window.prefetch_numel, self.window.live_numel - self.live_numel)
+        live = self.live_numel - self._kept_numel
+        budget = min(self.window.prefetch_numel, self.window.live_numel - live)
         room = None if self.cap_bytes is None else self.cap_bytes - self.live_bytes
         trace = self.trace
         order = trace.param_order
@@ -777,6 +797,9 @@ class ParamCoordinator:
         return pieces
 
     def _release(self, sp: ShardedParam) -> None:
+        kept = self._kept_frozen.pop(sp.index, None)
+        if kept is not None:
+            self._kept_numel -= kept
         if sp.persistent or sp.pinned:
             return
         handle = self._gathering.get(sp.index)
