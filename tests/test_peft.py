@@ -12,9 +12,15 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from zero3.comm import GlooBackend
-from zero3.core import Zero3Config, gathered_parameters
+from zero3.core import (
+    Zero3Config,
+    gathered_parameters,
+    load_sharded_state_dict,
+    sharded_state_dict,
+)
 from zero3.hooks import shard_module, stats
 from zero3.optim import PartitionedOptimizer
 
@@ -113,6 +119,21 @@ def _lora_training(
         comm.all_reduce(mean).wait()
         diffs.append(abs(float(mean) / n - float(ref)))
     end = _trainable(peft_model)
+    reloaded = None
+    if config.get("frozen_params") == "replicate":
+        # A DCP-style load writes the shards (in place) while frozen weights are whole:
+        # their copies are dropped and gathered afresh, never read stale.
+        ids = tokens(2, 77)
+        with torch.no_grad():
+            before = peft_model(input_ids=ids).logits
+            state = sharded_state_dict(model)
+            for key, value in state.items():
+                if "lora_" not in key and isinstance(value, ShardedTensor):
+                    for shard in value.local_shards():
+                        shard.tensor.mul_(0.5)  # what a load of other values would do
+            load_sharded_state_dict(model, state)
+            after = peft_model(input_ids=ids).logits
+        reloaded = (after - before).abs().max().item()
     ref_end = {
         n.replace(".base_layer", ""): p.detach()
         for n, p in reference.named_parameters()
@@ -124,6 +145,7 @@ def _lora_training(
     dtypes = sorted({str(p.dtype) for p in peft_model.parameters() if p.requires_grad})
     return {
         "adapter_dtypes": dtypes,
+        "reloaded": reloaded,
         "backward_gathered": backward_gathered,
         "forward_gathered": forward_gathered,
         "loss": max(diffs),
@@ -192,6 +214,7 @@ def test_frozen_params_keep_gathers_the_base_once_per_step_and_replicate_never(w
         assert replicate["forward_gathered"][0] > 4 * adapters, result
         later = replicate["forward_gathered"][1:] + replicate["backward_gathered"][1:]
         assert max(later) <= 2 * adapters, result  # their forward and backward uses
+        assert replicate["reloaded"] > 1e-3, result  # the halved base is what runs next
 
 
 def _save_and_load(directory: str) -> dict[str, Any]:

@@ -57,9 +57,10 @@ from zero3.core.model._state import (
 )
 from zero3.core.model._step import TrainingStep, in_backward
 from zero3.core.model._unshard import UnshardedPlan
-from zero3.core.params._coordinator import STREAMED, TraceState
+from zero3.core.params._coordinator import STREAMED
 from zero3.core.params._params import ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
+from zero3.core.params._trace import TraceState
 from zero3.core.state_dict._full import full_state_dict, load_full_state_dict
 from zero3.core.state_dict._groups import checkpoint_group
 from zero3.core.state_dict._sharded import (

@@ -724,6 +724,7 @@ class ShardedModelState:
                 f"zero3: cannot cast {type(self.module).__name__} to {dtype} {where}; "
                 "cast between steps, after the optimizer step (or zero_grad)"
             )
+        self.coordinator.release_kept()  # frozen_params' whole copies: cast the shards only
         self.synchronize()  # whole parameters' edits reach the shards before the cast
         with torch.no_grad():
             for sp in changing:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from zero3.core.params._coordinator import ParamCoordinator, TraceState
+from zero3.core.params._coordinator import ParamCoordinator
 from zero3.core.params._params import ShardedParam
+from zero3.core.params._trace import TraceState
 
 __all__ = ["UnshardedPlan", "chunks", "plan_unsharded", "trace_order"]
 

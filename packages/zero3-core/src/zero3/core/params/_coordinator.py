@@ -33,10 +33,9 @@ Note (holds):
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +49,7 @@ from zero3.core.diag._tracer import Tracer
 from zero3.core.params._gather import GatherHandle, GatherLayout, verify_fingerprints
 from zero3.core.params._params import ParamStatus, ShardedParam, free_full, write_full
 from zero3.core.params._pool import BufferPool
+from zero3.core.params._trace import Trace, TraceState
 
 __all__ = [
     "GATHERED_PARAMETERS",
@@ -57,8 +57,6 @@ __all__ = [
     "STREAMED",
     "UNSHARDED",
     "ParamCoordinator",
-    "Trace",
-    "TraceState",
 ]
 
 _log = logging.getLogger("zero3.core")
@@ -76,97 +74,6 @@ _PSEUDO_MODULES = {
     UNSHARDED: "zero3.hooks.unsharded",
     STREAMED: "zero3.hooks.iter_full_parameters",
 }
-
-
-class TraceState(enum.Enum):
-    """Lifecycle of a trace: INVALID → RECORD → COMPLETE (→ INVALID on a mismatch)."""
-
-    #: No usable order; the next step records one.
-    INVALID = "invalid"
-    #: The step in progress records its fetch order.
-    RECORD = "record"
-    #: The order is known. Fetches are checked against it; prefetching and the reuse
-    #: window follow it.
-    COMPLETE = "complete"
-
-
-class Trace:
-    """Module fetch order of one kind of step, frozen once recorded."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self.state = TraceState.INVALID
-        self.modules: list[int] = []  # module indices in fetch order
-        # Parameter order derived from the module order: (position, param) per use.
-        self.param_order: list[tuple[int, ShardedParam]] = []
-        self.first_entry_at: list[int] = []  # position -> index into param_order
-        self.previous_use: list[int] = []  # entry -> the same parameter's previous entry, or -1
-        self._release_cache: dict[tuple[int, int], frozenset[int]] = {}
-
-    def start_recording(self) -> None:
-        """Begin recording a fresh order (called at the start of a step)."""
-        self._clear()
-        self.state = TraceState.RECORD
-
-    def invalidate(self) -> None:
-        """Forget the order; the next step records again."""
-        self._clear()
-        self.state = TraceState.INVALID
-
-    def _clear(self) -> None:
-        self.modules = []
-        self.param_order = []
-        self.first_entry_at = []
-        self.previous_use = []
-        self._release_cache.clear()
-
-    def record(self, module_index: int) -> None:
-        """Append a fetch to the recording."""
-        self.modules.append(module_index)
-
-    def expected(self, position: int) -> int | None:
-        """The module index expected at ``position``, or None past the end."""
-        return self.modules[position] if position < len(self.modules) else None
-
-    def freeze(self, params_of: Callable[[int], Sequence[ShardedParam]]) -> None:
-        """Turn the recorded module order into the parameter order; state → COMPLETE."""
-        self.param_order = []
-        self.first_entry_at = []
-        for position, module_index in enumerate(self.modules):
-            self.first_entry_at.append(len(self.param_order))
-            for sp in params_of(module_index):
-                if not sp.persistent:
-                    self.param_order.append((position, sp))
-        self.first_entry_at.append(len(self.param_order))
-        last_seen: dict[int, int] = {}
-        self.previous_use = []
-        for j, (_, sp) in enumerate(self.param_order):
-            self.previous_use.append(last_seen.get(sp.index, -1))
-            last_seen[sp.index] = j
-        self._release_cache.clear()
-        self.state = TraceState.COMPLETE
-
-    def reused_within(self, position: int, module_index: int, window: int) -> frozenset[int]:
-        """Indices of parameters used within ``window`` elements from ``position`` on.
-
-        ``position`` is the next fetch to come, so everything from there counts as
-        "ahead". Cached: the answer is fixed once the trace is frozen.
-        """
-        key = (position, module_index)
-        cached = self._release_cache.get(key)
-        if cached is not None:
-            return cached
-        kept: set[int] = set()
-        traversed = 0
-        start = self.first_entry_at[min(position, len(self.first_entry_at) - 1)]
-        for _, sp in self.param_order[start:]:
-            if traversed >= window:
-                break
-            kept.add(sp.index)
-            traversed += sp.numel
-        result = frozenset(kept)
-        self._release_cache[key] = result
-        return result
 
 
 class ParamCoordinator:
@@ -233,9 +140,9 @@ class ParamCoordinator:
         self._high_bytes = 0  # most gathered bytes at once in this step
         # Frozen parameters kept whole from forward until their backward
         # (frozen_params="keep") or from their first use on ("replicate"): index ->
-        # elements. They do not count against the live-parameter bound that stops
+        # parameter. They do not count against the live-parameter bound that stops
         # prefetching.
-        self._kept_frozen: dict[int, int] = {}
+        self._kept_frozen: dict[int, ShardedParam] = {}
         self._kept_numel = 0
         self._sharded_numel = sum(sp.numel for ps in direct for sp in ps if not sp.persistent)
         self.window = self.resolve_window()
@@ -505,10 +412,19 @@ class ParamCoordinator:
                 continue
             if keep_frozen and not sp.requires_grad and sp.status is not ParamStatus.NOT_AVAILABLE:
                 if sp.index not in self._kept_frozen:
-                    self._kept_frozen[sp.index] = sp.numel
+                    self._kept_frozen[sp.index] = sp
                     self._kept_numel += sp.numel
                 continue
             self._release(sp)
+
+    def release_kept(self) -> None:
+        """Release the frozen parameters ``frozen_params`` keeps whole (before their
+        shards are written from elsewhere: a checkpoint load, a cast), merging an
+        in-place edit first.
+        """
+        for sp in list(self._kept_frozen.values()):
+            if sp.holds == 0:
+                self._release(sp)
 
     def fetch_params(
         self, params: Sequence[ShardedParam], module_index: int, at: Moment, pin: bool = False
@@ -797,9 +713,8 @@ class ParamCoordinator:
         return pieces
 
     def _release(self, sp: ShardedParam) -> None:
-        kept = self._kept_frozen.pop(sp.index, None)
-        if kept is not None:
-            self._kept_numel -= kept
+        if self._kept_frozen.pop(sp.index, None) is not None:
+            self._kept_numel -= sp.numel
         if sp.persistent or sp.pinned:
             return
         handle = self._gathering.get(sp.index)

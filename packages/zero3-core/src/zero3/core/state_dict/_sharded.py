@@ -207,6 +207,9 @@ def load_sharded_state_dict(
     """
     state = sharded_state(module)
     expected, result = match_keys(module, state_dict, strict, "load_sharded_state_dict", ValueError)
+    # Whole copies that frozen_params keeps would go stale: DCP may have loaded the
+    # shards in place already. Released, they are gathered afresh at the next use.
+    state.coordinator.release_kept()
     with torch.no_grad():
         for key, target in expected.items():
             if key in state_dict:
