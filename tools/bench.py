@@ -208,6 +208,9 @@ def main() -> None:
             if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
                 results[name] = [{"skipped": "deepspeed is not importable here"}]
                 continue
+            if name == "deepspeed" and args.lora:
+                results[name] = [{"skipped": "the DeepSpeed row does not train LoRA"}]
+                continue
             run = launch(name, world, args)
             results[name].append(run)
             print(

@@ -504,9 +504,15 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         ``save_pretrained`` (the adapters' gathers are collectives; the frozen base is
         never gathered), rank 0 writes.
         """
+        # The state dict first, on every rank (its adapter gathers are collectives): peft
+        # does rank-0-only work before reading it, and a rank failing there would leave
+        # the others waiting in a gather instead of raising below.
+        state = self.model.state_dict()
         error: BaseException | None = None
         try:
-            self.model.save_pretrained(output_dir, is_main_process=self.args.process_index == 0)
+            self.model.save_pretrained(
+                output_dir, state_dict=state, is_main_process=self.args.process_index == 0
+            )
             if self.args.process_index == 0:
                 self._save_extras(output_dir)
         except Exception as exc:

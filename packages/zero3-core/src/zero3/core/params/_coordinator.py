@@ -318,9 +318,11 @@ class ParamCoordinator:
             for handle in handles:
                 self._finish(handle)
         self._inflight.clear()
+        replicate = self.config.frozen_params == "replicate" and self.cap_bytes is None
         for sp in all_params:
             sp.holds = 0
-            if sp.index in self._kept_frozen and self.config.frozen_params == "replicate":
+            if replicate and self._replicable(sp):
+                self._keep(sp)
                 self._keep_edit(sp)  # stays whole; an in-place edit still reaches the shard
                 continue
             self._release(sp)
@@ -405,17 +407,33 @@ class ParamCoordinator:
         if self.trace.state is TraceState.COMPLETE and not self.diverged and self.cap_bytes is None:
             keep = self.trace.reused_within(self.position, index, self.window.reuse_numel)
         mode = self.config.frozen_params
-        keep_frozen = mode == "replicate" or (mode == "keep" and backward_follows)
+        keep_frozen = self.cap_bytes is None and (
+            mode == "replicate" or (mode == "keep" and backward_follows)
+        )
         for sp in params:
             sp.holds = max(0, sp.holds - 1)
             if sp.holds > 0 or sp.index in keep:
                 continue
-            if keep_frozen and not sp.requires_grad and sp.status is not ParamStatus.NOT_AVAILABLE:
-                if sp.index not in self._kept_frozen:
-                    self._kept_frozen[sp.index] = sp
-                    self._kept_numel += sp.numel
+            if keep_frozen and self._replicable(sp):
+                self._keep(sp)
                 continue
             self._release(sp)
+
+    @staticmethod
+    def _replicable(sp: ShardedParam) -> bool:
+        """A frozen partitioned parameter whole (or arriving) here: ``frozen_params`` may
+        keep it.
+        """
+        return (
+            not sp.requires_grad
+            and not sp.persistent
+            and sp.status is not ParamStatus.NOT_AVAILABLE
+        )
+
+    def _keep(self, sp: ShardedParam) -> None:
+        if sp.index not in self._kept_frozen:
+            self._kept_frozen[sp.index] = sp
+            self._kept_numel += sp.numel
 
     def release_kept(self) -> None:
         """Release the frozen parameters ``frozen_params`` keeps whole (before their

@@ -303,6 +303,7 @@ def load_module_entry(state: ShardedModelState, key: str, sp: ShardedParam, valu
     Raises:
         ValueError: The value has another shape, or another rank's boxes.
     """
+    state.coordinator.release_kept()  # whole copies frozen_params keeps would go stale
     with torch.no_grad():
         if isinstance(value, ShardedTensor):
             sp.write_local(local_flat(value, sp).to(sp.dtype))
