@@ -62,8 +62,8 @@ def _theory(numel: int, world: int, psis: float, sharded: float) -> dict[str, An
     return {"sharded": sharded, "payload": payload, "payload_kind": "theory"}
 
 
-def _numel(model: Any, trainable: bool = False) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+def _numel(params: Any) -> int:
+    return sum(p.numel() for p in params)
 
 
 def _trainable(model: Any) -> list[torch.nn.Parameter]:
@@ -83,7 +83,7 @@ def _ddp(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     model = DistributedDataParallel(with_lora(build(w), w))
     opt = _adamw(_trainable(model), w)
     # An all-reduce of the trainable gradients (2 x their bytes x (N-1)/N).
-    payload = _theory(_numel(model, trainable=True), world, 2, sharded=0.0)
+    payload = _theory(_numel(_trainable(model)), world, 2, sharded=0.0)
     return _loop_step(model, opt, w, rank, world), payload
 
 
@@ -97,7 +97,7 @@ def _fsdp2(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     opt = _adamw(_trainable(model), w)
     # Root params reshard after forward too (reshard_after_forward=True): all-gather in
     # forward and backward, reduce-scatter of the trainable gradients in backward.
-    psi, trainable = _numel(model), _numel(model, trainable=True)
+    psi, trainable = _numel(model.parameters()), _numel(_trainable(model))
     payload = _theory(psi, world, 2 + trainable / psi, sharded=1.0)
     return _loop_step(model, opt, w, rank, world), payload
 

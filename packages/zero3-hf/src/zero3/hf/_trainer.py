@@ -22,7 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    SaveStrategy,
+    _is_peft_model,
+    rotate_checkpoints,
+)
 from transformers.training_args import ParallelMode
 
 from zero3.core import Zero3Config
@@ -220,12 +225,8 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         ``Module.to`` on a ``PeftModel`` recurses with ``_apply``, which never calls the
         sharded module's own ``to`` and would read its released parameters.
         """
-        if try_sharded_state(model) is not None or _inner_state(model) is None:
-            model.to(device)
-            return
-        for module in model.modules():
-            if try_sharded_state(module) is not None:
-                module.to(device)
+        for module in _sharded_roots(model) or [model]:
+            module.to(device)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init``'s model, sharded."""
@@ -351,7 +352,7 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         else:
             self._save_zero3_checkpoint(output_dir)
             self._save_pretrained_files(output_dir)
-            if _is_adapter_model(self.model):
+            if _is_peft_model(self.model):
                 self._save_adapters(output_dir)  # the stock Trainer's checkpoint holds them
         if (
             self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
@@ -461,7 +462,7 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         _log.info("zero3: loading the best model from %s", best)
         if os.path.isdir(zero3_dir(best)):
             load_checkpoint(zero3_dir(best), self.model, None)
-        elif _is_adapter_model(self.model):  # save_only_model: the adapters' file
+        elif _is_peft_model(self.model):  # save_only_model: the adapters' file
             from peft import set_peft_model_state_dict
 
             path = os.path.join(best, "adapter_model.safetensors")
@@ -478,7 +479,7 @@ class Zero3Trainer(Trainer):  # type: ignore[misc]
         """
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
-        if _is_adapter_model(self.model):
+        if _is_peft_model(self.model):
             self._save_adapters(output_dir)
         else:
             self._save_weights(output_dir)
@@ -545,18 +546,12 @@ def _inner_state(model: nn.Module) -> ShardedModelState | None:
     """The sharded model's state: ``model`` itself, or the one sharded model inside a
     wrapper built after sharding (a ``peft.PeftModel`` around a sharded base).
     """
-    state = try_sharded_state(model)
-    if state is None and any(try_sharded_state(m) is not None for m in model.modules()):
-        state = sharded_state(model)  # raises if the wrapper holds several
-    return state
+    return sharded_state(model) if _sharded_roots(model) else None  # raises for several
 
 
-def _is_adapter_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``peft.PeftModel`` (peft is optional: not imported here)."""
-    return any(
-        cls.__name__ == "PeftModel" and cls.__module__.startswith("peft.")
-        for cls in type(model).__mro__
-    )
+def _sharded_roots(model: nn.Module) -> list[nn.Module]:
+    """The sharded models in ``model``: itself, or those a wrapper holds."""
+    return [m for m in model.modules() if try_sharded_state(m) is not None]
 
 
 def gathers_weights_on_save(config: Zero3Config | None) -> bool:

@@ -437,8 +437,8 @@ class ParamCoordinator:
 
     def release_kept(self) -> None:
         """Release the frozen parameters ``frozen_params`` keeps whole (before their
-        shards are written from elsewhere: a checkpoint load, a cast), merging an
-        in-place edit first.
+        shards are written from elsewhere: a checkpoint load, a cast); an in-place
+        edit is kept for the shards, as on any release.
         """
         for sp in list(self._kept_frozen.values()):
             if sp.holds == 0:
