@@ -1,7 +1,9 @@
 """Adapters (peft) on a sharded base: adoption, training parity, saving and loading.
 
-The base is sharded first (the big-model flow), then peft adds its adapters; every case
-compares with one process running peft on ``from_pretrained``-equal weights.
+The base is sharded first (the big-model flow), then peft adds its adapters; prompt and
+prefix tuning, whose prompt encoder sits on the PeftModel beside the base, are built first
+and sharded whole. Every case compares with one process running peft on
+``from_pretrained``-equal weights.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 def _peft_config(kind: str) -> Any:
-    from peft import IA3Config, LoraConfig
+    from peft import IA3Config, LoraConfig, PrefixTuningConfig, PromptTuningConfig
 
     if kind == "lora":
         return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
@@ -44,6 +46,10 @@ def _peft_config(kind: str) -> Any:
         return IA3Config(
             target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
         )
+    if kind == "prompt":  # peft calls the word embeddings outside the base's forward
+        return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    if kind == "prefix":  # past key/values made outside the base, fed to every layer
+        return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     raise ValueError(kind)
 
 
@@ -78,14 +84,18 @@ def _lora_training(
 
     comm = comm or GlooBackend(timeout_s=60)
     n, r = comm.world_size, comm.rank
+    first, kind = kind.endswith("_first"), kind.removesuffix("_first")
     base = build_hf("llama")
     if dtype == "bf16":
         base.to(torch.bfloat16)  # peft keeps its adapters in fp32 (autocast_adapter_dtype)
     reference = _wrap(copy.deepcopy(base), kind, seed=100)
     settings = Zero3Config(param_persistence_threshold=threshold, **config)
-    model = shard_module(base, settings, comm=comm)
-    # Ranks seeded differently: adoption broadcasts rank 0's adapters (seed 100).
-    peft_model = _wrap(model, kind, seed=100 + r)
+    if first:  # the PeftModel built first and sharded whole
+        peft_model = model = shard_module(_wrap(base, kind, seed=100), settings, comm=comm)
+    else:
+        model = shard_module(base, settings, comm=comm)
+        # Ranks seeded differently: adoption broadcasts rank 0's adapters (seed 100).
+        peft_model = _wrap(model, kind, seed=100 + r)
     opt = PartitionedOptimizer(peft_model, torch.optim.AdamW, lr=1e-2)
     trainable = [p for p in reference.parameters() if p.requires_grad]
     ropt = torch.optim.AdamW(trainable, lr=1e-2)
@@ -168,8 +178,8 @@ def _lora_training(
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kind", ["lora", "lora_save", "ia3"])
-def test_adapters_added_after_sharding_train_like_one_process(worker_pool, kind, world):
+@pytest.mark.parametrize("kind", ["lora", "lora_save", "ia3", "prompt_first", "prefix_first"])
+def test_adapters_on_a_sharded_base_train_like_one_process(worker_pool, kind, world):
     for result in worker_pool(world).run(_lora_training, kind, 0, "fp32", timeout=240):
         assert result["same_keys"], result
         assert result["moved"] > 1e-3, result
@@ -179,6 +189,28 @@ def test_adapters_added_after_sharding_train_like_one_process(worker_pool, kind,
         # Frozen weights get no gradient, no reduction, no optimizer state: what is
         # reduced each step is the adapters' gradients (fp32), nothing of the base.
         assert result["reduced"] == [result["trainable_bytes"]] * 3, result
+
+
+def _prompt_tuning_after_sharding() -> str:
+    from peft import get_peft_model
+
+    from zero3.testing.hf_models import build_hf
+
+    settings = Zero3Config(param_persistence_threshold=0)
+    model = shard_module(build_hf("llama"), settings, comm=GlooBackend(timeout_s=60))
+    peft_model = get_peft_model(model, _peft_config("prompt"))
+    try:
+        PartitionedOptimizer(peft_model, torch.optim.AdamW, lr=1e-2)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_prompt_tuning_on_a_sharded_base_is_refused_naming_the_fix(worker_pool):
+    for message in worker_pool(2).run(_prompt_tuning_after_sharding, timeout=120):
+        assert "'prompt_encoder.default.embedding.weight'" in message, message
+        assert "outside the sharded model" in message, message
+        assert "shard_module(peft.get_peft_model(model, config))" in message, message
 
 
 def test_bf16_base_with_fp32_adapters_trains_like_one_process(worker_pool):

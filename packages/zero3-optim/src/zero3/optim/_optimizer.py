@@ -82,6 +82,30 @@ def _normalize_groups(module: nn.Module, params: Iterable[Any] | None) -> list[d
     return groups
 
 
+def _foreign_param_message(
+    module: nn.Module, zstate: ShardedModelState, param: torch.Tensor, group: int
+) -> str:
+    """Why ``param`` cannot be stepped, naming it and the fix."""
+    name = next((n for n, p in module.named_parameters() if p is param), None)
+    what = f"{name!r} (shape {tuple(param.shape)})" if name else f"of shape {tuple(param.shape)}"
+    if name is not None and zstate.module is not module:
+        # A wrapper (a PeftModel) holding parameters beside the sharded model: peft's
+        # prompt and prefix tuning keep their prompt encoder on the PeftModel itself, so
+        # its gradients would never be reduced and the ranks would drift apart.
+        return (
+            f"PartitionedOptimizer: the parameter {what} in group {group} lies outside the "
+            f"sharded model ({type(zstate.module).__name__}) that {type(module).__name__} "
+            "wraps, so zero3 cannot reduce its gradients; build the wrapper first and "
+            "shard it whole (zero3.hooks.shard_module(peft.get_peft_model(model, config))), "
+            "or add such parameters inside the sharded model"
+        )
+    return (
+        f"PartitionedOptimizer: the parameter {what} in group {group} is not a parameter "
+        "of this sharded module; pass the module zero3.hooks.shard_module returned and its "
+        "own parameters"
+    )
+
+
 class PartitionedOptimizer(torch.optim.Optimizer):
     """Wraps any torch-style optimizer to step this rank's fp32 master shards.
 
@@ -187,10 +211,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 sp = self._zstate.owns(p)
                 if sp is None:
-                    raise ValueError(
-                        f"PartitionedOptimizer: a parameter of shape {tuple(p.shape)} in group "
-                        f"{g_index} is not a parameter of this sharded module"
-                    )
+                    raise ValueError(_foreign_param_message(self.module, self._zstate, p, g_index))
                 members.append(sp)
             self._zstate.claim(members, self)
             chunk: list[ShardedParam] = []
