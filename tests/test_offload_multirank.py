@@ -3,7 +3,8 @@
 Each case trains two sharded copies of one model side by side in every worker: one with
 its optimizer state in memory, one offloaded, and compares their master shards and
 parameter shards bit for bit after every step. Swap I/O is asserted to have happened
-(bytes read and written) and the swap files' pages not to be in the page cache.
+(bytes read and written, some of the reads started during the backward) and the swap
+files' pages not to be in the page cache.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _pair(case: str, root: str) -> dict[str, Any]:
     opts = [PartitionedOptimizer(m, cls, **kwargs) for m in (model, twin)]
     store = opts[1].offload
     assert store is not None
-    diffs, written, read = [], [], 0
+    diffs, written, read, ahead = [], [], 0, 0
     for step in range(STEPS):
         for m, opt in zip((model, twin), opts, strict=True):
             for micro in range(accumulate):
@@ -77,6 +78,7 @@ def _pair(case: str, root: str) -> dict[str, Any]:
             opt.zero_grad()
         written.append(store.stats.written_bytes)
         read += store.stats.read_bytes
+        ahead += store.stats.read_ahead_bytes
         shards = [
             int((pa.detach().float() != pb.detach().float()).sum())
             for pa, pb in zip(
@@ -95,6 +97,7 @@ def _pair(case: str, root: str) -> dict[str, Any]:
         "diffs": diffs,
         "written": written,
         "read": read,
+        "ahead": ahead,
         "files": len(files),
         "resident": resident,
         "direct": direct,
@@ -128,6 +131,8 @@ def test_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_path):
             assert res["cleaned"], (case, res)  # close() removes this rank's files
             if CASES[case][2] == "nvme":
                 assert res["files"] >= 1 and res["read"] > 0, (case, res)
+                # The first records' reads started in the backward (the walk took them).
+                assert 0 < res["ahead"] < res["read"], (case, res)
                 assert res["direct"] and res["resident"] == 0, (case, res)
             else:
                 assert res["files"] == 0, (case, res)

@@ -68,6 +68,7 @@ def test_offload_flags_swap_the_optimizer_state_to_files(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     line = [x for x in result.stdout.splitlines() if x.startswith("optimizer offload (nvme")]
     assert line and f"{swap}" in line[0] and "I/O wait" in line[0], result.stdout
+    assert "started during the backward" in line[0], result.stdout
     assert "read 0.0 MiB" not in line[0]  # state really moved
     assert list(swap.iterdir()) == []  # every rank's files removed at exit
     bad = _run(["--offload-optimizer", "disk", *TINY], tmp_path)

@@ -7,14 +7,17 @@
     ./dev run python tools/bench.py --rounds 1 --systems ddp,zero3 --profile  # phases
     ./dev run python tools/bench.py --systems ddp,fsdp2,zero3,zero3-release  # + memory
     ./dev run python tools/bench.py --lora 8 --systems ddp,fsdp2,zero3,zero3-keep-frozen
+    ./dev run python tools/bench.py --systems zero3,zero3-offload-cpu,zero3-offload-nvme
 
 Every (system, round) runs in fresh processes (so peak RSS is that system's), with one
 thread per rank. Per round, each system's median step time of the slowest rank; the
 ratio against DDP is the median of the per-round ratios. Losses are compared with one
 process training on the same global batch; peak RSS per rank is reported against
-DDP and the ZeRO-3 theory (``_bench/memory.py``). zero3 builds its model under
-``empty_init`` (``zero3-eager-build`` builds it whole first). DeepSpeed runs when importable
-(``DS_BUILD_OPS=0 pip install deepspeed``; it runs on CPU with DS_ACCELERATOR=cpu).
+DDP and the ZeRO-3 theory (``_bench/memory.py``). The offload rows put their swap files
+under ``ZERO3_BENCH_SWAP`` (default: the temp directory), whose bandwidth is measured
+first. zero3 builds its model under ``empty_init`` (``zero3-eager-build`` builds it whole
+first). DeepSpeed runs when importable (``DS_BUILD_OPS=0 pip install deepspeed``; it runs
+on CPU with DS_ACCELERATOR=cpu).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 from typing import Any
 
 from _bench import memory
+from _bench.disk import bandwidth, swap_dir
 from _bench.workload import Workload
 from _train.launch import free_port, rank_env
 
@@ -120,6 +124,32 @@ def _phases(name: str, runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _offload_line(
+    name: str, runs: list[dict[str, Any]], in_memory: list[dict[str, Any]] | None
+) -> str:
+    """Where an offloaded optimizer step's time went (rank 0, median of steps and rounds),
+    and its step against in-memory zero3's (median of the per-round ratios)."""
+
+    def median(key: str) -> float:
+        return statistics.median(r["offload"][key] for r in runs)
+
+    step, wait = median("step_s"), median("io_wait_s")
+    where = {None: "host memory", True: "swap files, O_DIRECT", False: "swap files, buffered"}
+    line = (
+        f"{name}: optimizer walk {step:.2f} s per step, of it waiting on I/O {wait:.2f} s "
+        f"({100 * wait / step if step else 0:.0f}%); read {median('read_bytes') / 2**20:.0f} MiB, "
+        f"written {median('written_bytes') / 2**20:.0f} MiB per step per rank "
+        f"({where[runs[-1]['offload_direct']]})"
+    )
+    if in_memory:
+        ratios = [
+            statistics.median(r["timed"]) / statistics.median(z["timed"])
+            for r, z in zip(runs, in_memory, strict=True)
+        ]
+        line += f"; step {statistics.median(ratios):.3f}x the zero3 row's"
+    return line
+
+
 def report(
     results: dict[str, list[dict[str, Any]]], base: str, ref: list[float], title: str
 ) -> str:
@@ -147,6 +177,8 @@ def report(
                 f"prefetch hit rate {100 * last['hit_rate']:.0f}%, padding/fingerprint/flag "
                 f"bytes {last['overhead'] / 2**20:.2f} MiB"
             )
+        if "offload" in last:
+            lines.append(_offload_line(name, runs, results.get("zero3")))
     return "\n".join(lines)
 
 
@@ -202,6 +234,14 @@ def main() -> None:
     )
     # The reference: one process on the whole global batch (world x 4 sequences).
     ref = launch("reference", 1, args, batch=4 * world, threads=os.cpu_count() or 1)["losses"]
+    if any("nvme" in n for n in names):
+        disk = bandwidth(swap_dir())
+        print(
+            f"swap directory {swap_dir()}: write {disk['write_mib_s']:.0f} MiB/s, read "
+            f"{disk['read_mib_s']:.0f} MiB/s (256 MiB, 1 MiB requests, "
+            f"{'O_DIRECT' if disk['direct'] else 'buffered: the page cache may serve reads'})",
+            flush=True,
+        )
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for round_index in range(args.rounds):
         for name in names:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +26,7 @@ import torch.distributed.nn
 from _train.report import peak_rss_bytes, rss_baseline
 
 from _bench import phases
+from _bench.disk import swap_dir
 from _bench.workload import Workload, batch, build, with_lora
 
 StepFn = Callable[[int], float]
@@ -122,9 +125,14 @@ def _zero3(
     model = with_lora(model, w)  # adapters on the sharded base (the big-model flow)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
     held: list[int] = []  # model state after each backward (gradients and optimizer state)
-    step = _loop_step(
-        model, opt, w, rank, world, lambda: held.append(memory_stats(model, opt).held_bytes)
-    )
+    walks: list[dict[str, float]] = []  # each offloaded step's walk (read after the next backward)
+
+    def after_backward() -> None:
+        held.append(memory_stats(model, opt).held_bytes)
+        if opt.offload is not None and opt.offload.stats.step_s > 0:
+            walks.append(dataclasses.asdict(opt.offload.stats))
+
+    step = _loop_step(model, opt, w, rank, world, after_backward)
 
     state = sharded_state(model)
     psi = sum(sp.numel for sp in state.params)
@@ -147,9 +155,21 @@ def _zero3(
             "pool": mem.peak_pool_bytes,
             "engine": mem.peak_engine_bytes,
             "window": mem.window.describe() if mem.window else "",
+            **_offload_info(opt, walks),
         }
 
     return step, {"info": info}
+
+
+def _offload_info(opt: Any, walks: list[dict[str, float]]) -> dict[str, Any]:
+    """The offloaded steps' walk: medians over the steps, the last one included."""
+    if opt.offload is None:
+        return {}
+    walks = [*walks, dataclasses.asdict(opt.offload.stats)]
+    return {
+        "offload": {key: statistics.median(w[key] for w in walks) for key in walks[0]},
+        "offload_direct": opt.offload.direct_io if opt.offload.nvme else None,
+    }
 
 
 def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
@@ -197,6 +217,12 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
         max_live_parameters=1_000_000_000,
         max_reuse_distance=1_000_000_000,
         overlap_chunk_size=4_194_304,
+    ),
+    # Optimizer offload: the sub-groups (2,097,152 elements each by default with offload)
+    # stepped one at a time, their state in host memory or in swap files.
+    "zero3-offload-cpu": lambda w, r, n: _zero3(w, r, n, offload_optimizer={"device": "cpu"}),
+    "zero3-offload-nvme": lambda w, r, n: _zero3(
+        w, r, n, offload_optimizer={"device": "nvme", "nvme_path": swap_dir()}
     ),
     "zero3-keep-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="keep"),
     "zero3-replicate-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="replicate"),

@@ -47,6 +47,7 @@ METRICS = [
     "swap_walk",
     "swap_read",
     "swap_written",
+    "swap_read_ahead",
 ]
 
 
@@ -88,7 +89,7 @@ def rank_metrics(
         memory.peak_gathered_bytes, memory.peak_gather_buffer_bytes, memory.peak_bucket_bytes,
         memory.peak_full_grad_bytes, memory.peak_pool_bytes, memory.peak_engine_bytes,
         *(statistics.median(getattr(w, f) for w in swaps) if swaps else 0.0
-          for f in ("io_wait_s", "step_s", "read_bytes", "written_bytes")),
+          for f in ("io_wait_s", "step_s", "read_bytes", "written_bytes", "read_ahead_bytes")),
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
 
@@ -283,7 +284,8 @@ def _offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
         f"optimizer offload (nvme, {section.nvme_path}, sub_group_size "
         f"{config.sub_group_size:,}): per step, I/O wait {worst['io_wait']:.3f} s of the "
         f"sub-group walk {worst['swap_walk']:.3f} s (the rest is stepping overlapped with "
-        f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])}, "
+        f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])} "
+        f"({_mb(worst['swap_read_ahead'])} of it started during the backward), "
         f"written {_mb(worst['swap_written'])}"
     )
 

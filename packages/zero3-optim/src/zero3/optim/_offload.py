@@ -9,9 +9,12 @@ Note (how a step runs with ``offload_optimizer: nvme``):
     next ones are queued on the I/O threads while the current one steps, and the
     previous ones' writes run behind; at most ``buffer_count`` page-aligned buffers
     (one record each) are in flight, and all writes are complete when ``step()``
-    returns. A record is read straight into its buffer and the tensors the wrapped
-    optimizer knows (its parameters, its state) are re-pointed at it, so identity and
-    per-parameter semantics are kept for any torch-style optimizer.
+    returns. The first ``buffer_count`` records' reads start when the step's backward
+    reaches its first module (a listener on the model's step), so they overlap the
+    backward instead of opening the walk with a wait. A record is read straight into its
+    buffer and the tensors the wrapped optimizer knows (its parameters, its state) are
+    re-pointed at it, so identity and per-parameter semantics are kept for any
+    torch-style optimizer.
 
     Faults are agreed before anything steps and again before anything is written back
     (a one-element all-reduce each): if any rank's file is gone, truncated, short or
@@ -78,12 +81,14 @@ class OffloadStats:
         io_wait_s: Seconds ``step()`` waited for reads and writes.
         step_s: Seconds of the whole offloaded step walk (stepping + waiting).
         read_bytes: Bytes read from swap files.
+        read_ahead_bytes: Of those, bytes whose read started during the backward.
         written_bytes: Bytes written to swap files.
     """
 
     io_wait_s: float = 0.0
     step_s: float = 0.0
     read_bytes: int = 0
+    read_ahead_bytes: int = 0
     written_bytes: int = 0
 
 
@@ -166,6 +171,8 @@ class OffloadStore:
         self._slots: dict[int, _Slot] = {}
         self._dir: Path | None = None
         self._pool: IOPool | None = None
+        # Reads started during the backward, by slot index (taken by the next walk).
+        self._ahead: dict[int, Future[AlignedBuffer]] = {}
         device = subgroups[0].views[0].device if subgroups else torch.device("cpu")
         self._pin = self.config.pin_memory and device.type != "cpu"
         if self.config.pin_memory and device.type == "cpu":
@@ -193,6 +200,7 @@ class OffloadStore:
         except (SwapError, OSError) as exc:
             error = exc
         self._agree(error)
+        zstate.step.on_backward(self.read_ahead)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -249,8 +257,30 @@ class OffloadStore:
         """Bytes of this rank's state held in swap files after the last write."""
         return sum(s.nbytes for s in self._slots.values() if s.on_disk)
 
+    def read_ahead(self) -> None:
+        """Start reading the first ``buffer_count`` offloaded records the next step walks
+        (the model's step calls this when a backward reaches its first module).
+        """
+        if self._pool is None or self._ahead:
+            return
+        for slot in self._slots.values():
+            if len(self._ahead) >= self.config.buffer_count:
+                break
+            if not slot.resident and slot.on_disk:
+                self._ahead[slot.index] = self._pool.submit(functools.partial(self._read, slot))
+
+    def _settle_ahead(self) -> None:
+        """Wait for reads started ahead and drop them: the caller reads or writes the
+        files itself (and meets any error there).
+        """
+        ahead, self._ahead = self._ahead, {}
+        for future in ahead.values():
+            with contextlib.suppress(SwapError):
+                future.result()
+
     def close(self) -> None:
         """Remove the swap files and stop the I/O threads."""
+        self._settle_ahead()
         _cleanup(self._dir, self._pool, [s.file for s in self._slots.values()])
         self._slots.clear()
 
@@ -379,6 +409,7 @@ class OffloadStore:
         """Read every offloaded sub-group back (checkpoints, ``state_dict``); they stay
         in memory until the next step writes them out again.
         """
+        self._settle_ahead()
         error: BaseException | None = None
         try:
             for slot in self._slots.values():
@@ -393,6 +424,7 @@ class OffloadStore:
 
     def write_all_out(self) -> None:
         """Write every resident offloaded sub-group to its file (after loading state)."""
+        self._settle_ahead()
         error: BaseException | None = None
         try:
             for slot in self._slots.values():
@@ -468,10 +500,17 @@ class _Walk:
         self.order = [s for b in self.batches for sg in b if (s := store.slot(sg)) is not None]
         widest = max((sum(store.slot(sg) is not None for sg in b) for b in self.batches), default=0)
         self.limit = max(store.config.buffer_count, widest + 1)
-        self.reads: dict[int, Future[AlignedBuffer]] = {}
+        # The reads the backward started (the first records of this same order).
+        self.reads: dict[int, Future[AlignedBuffer]] = store._ahead
+        store._ahead = {}
         self.writes: collections.deque[Future[None]] = collections.deque()
         self.stepping = 0
-        self.next = 0
+        self.next = 0  # the next position in ``order`` whose read may be queued
+        for position, slot in enumerate(self.order):
+            if slot.index in self.reads:  # a prefix of the eligible slots: queue after it
+                store.stats.read_bytes += slot.nbytes
+                store.stats.read_ahead_bytes += slot.nbytes
+                self.next = position + 1
 
     def _wait(self, future: Future[Any]) -> Any:
         begin = time.perf_counter()
@@ -493,7 +532,7 @@ class _Walk:
         while self.next < len(self.order) and self._used() < self.limit:
             slot = self.order[self.next]
             self.next += 1
-            if not slot.resident and slot.on_disk:
+            if not slot.resident and slot.on_disk and slot.index not in self.reads:
                 self.reads[slot.index] = pool.submit(functools.partial(self.store._read, slot))
                 self.store.stats.read_bytes += slot.nbytes
 

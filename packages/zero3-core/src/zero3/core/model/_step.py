@@ -29,7 +29,8 @@ Note (counts):
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -87,6 +88,11 @@ class TrainingStep:
         self._passes: dict[int, int] = {}  # backward passes that entered a module
         self._tasks: list[int] = []  # graph tasks with an epilogue queued, outermost first
         self._unsharded = False  # inside zero3.hooks.unsharded: steps follow its own trace
+        self._backward_begun = False  # this step's backward has reached a module
+        # Called when a step's backward reaches its first module (optimizer offload reads
+        # the first sub-groups' state then, overlapping the backward): weak, so a
+        # listener's owner (an optimizer) is not kept alive by the model.
+        self._backward_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
 
     # -- what the rest of zero3 reads ----------------------------------------------------
 
@@ -183,9 +189,27 @@ class TrainingStep:
 
     # -- backward (zero3.hooks) -----------------------------------------------------------
 
+    def on_backward(self, listener: Callable[[], None]) -> None:
+        """Call the bound method ``listener`` when each step's backward reaches its first
+        module (before that module's gather). Held weakly: it stops with its object.
+        """
+        self._backward_listeners.append(weakref.WeakMethod(listener))
+
+    def _backward_begins(self) -> None:
+        self._backward_begun = True
+        alive = []
+        for ref in self._backward_listeners:
+            listener = ref()
+            if listener is not None:
+                alive.append(ref)
+                listener()
+        self._backward_listeners = alive
+
     def pre_backward(self, index: int) -> None:
         """Gradients reached the module's outputs: gather its parameters."""
         self._queue_epilogue()
+        if not self._backward_begun:
+            self._backward_begins()
         count = self._pending.get(index, 0)
         if count > 0:
             self._pending[index] = count - 1
@@ -291,6 +315,7 @@ class TrainingStep:
             self._open = True
             self._number += 1
             self._training = torch.is_grad_enabled()
+            self._backward_begun = False
             self._coordinator.begin_pass(self._training, "unsharded" if self._unsharded else None)
             self._stats.rotate()
 
