@@ -91,3 +91,23 @@ def test_bench_lora_trains_adapters_on_the_sharded_base_and_reduces_only_them():
     held, unsharded = (float(x) for x in cells[4].split(" / "))
     assert abs(unsharded - expected) <= 0.05 * expected, result.stdout
     assert 0.45 < held / unsharded < 0.55, result.stdout
+
+
+def test_bench_offload_row_moves_the_optimizer_state_and_says_where_its_time_went(
+    tmp_path, monkeypatch
+):
+    # One launch: the NVMe row, its swap files under a directory of the test's own.
+    monkeypatch.setenv("ZERO3_BENCH_SWAP", str(tmp_path))
+    result = _bench("--systems", "zero3-offload-nvme")
+    disk = re.search(rf"^swap directory {re.escape(str(tmp_path))}: write (\d+) MiB/s, read "
+                     r"(\d+) MiB/s \(256 MiB, 1 MiB requests, O_DIRECT\)", result.stdout, re.M)  # fmt: skip
+    assert disk and int(disk[1]) > 0 and int(disk[2]) > 0, result.stdout
+    row = next(x for x in result.stdout.splitlines() if x.startswith("| zero3-offload-nvme |"))
+    assert float(row.split("|")[-2]) < 1e-4, row  # the same losses as one process
+    walk = re.search(r"^zero3-offload-nvme: optimizer walk ([\d.]+) s per step, of it waiting on "
+                     r"I/O ([\d.]+) s \(\d+%\); read (\d+) MiB, written (\d+) MiB per step per "
+                     r"rank \(swap files, O_DIRECT\)", result.stdout, re.M)  # fmt: skip
+    assert walk, result.stdout
+    assert float(walk[1]) >= float(walk[2]) >= 0, walk[0]
+    assert int(walk[3]) > 0 and int(walk[4]) > 0, walk[0]  # the state really moved
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # files removed

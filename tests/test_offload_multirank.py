@@ -23,7 +23,7 @@ import torch
 from zero3.comm import GlooBackend
 from zero3.core import Zero3Config, local_grad
 from zero3.core.engine import resident_pages
-from zero3.hooks import shard_module, stats
+from zero3.hooks import memory_stats, shard_module, stats
 from zero3.optim import OffloadError, PartitionedOptimizer
 from zero3.testing.models import build, loss_of
 
@@ -86,6 +86,14 @@ def _pair(case: str, root: str) -> dict[str, Any]:
             )
         ]
         diffs.append(sum(shards))
+    # What memory_stats says of each copy (before anything is read back).
+    inside, outside = memory_stats(model, opts[0]), memory_stats(twin, opts[1])
+    memory = {
+        "in memory": inside.master_bytes + inside.optimizer_bytes,
+        "nvme": outside.nvme_bytes,
+        "left in memory": outside.master_bytes + outside.optimizer_bytes,
+        "unsharded": (inside.unsharded_bytes, outside.unsharded_bytes),
+    }
     # Reading the masters brings them back from disk: once, at the end.
     masters = [int((a != b).sum()) for a, b in
                zip(opts[0].master_shards(), opts[1].master_shards(), strict=True)]  # fmt: skip
@@ -104,6 +112,7 @@ def _pair(case: str, root: str) -> dict[str, Any]:
         "gathers": stats(twin).gathers,
         "reductions": stats(twin).reduce_collectives,
         "subgroups": len(opts[1]._subgroups),
+        "memory": memory,
     }
     directory = store.directory
     store.close()
@@ -134,8 +143,14 @@ def test_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_path):
                 # The first records' reads started in the backward (the walk took them).
                 assert 0 < res["ahead"] < res["read"], (case, res)
                 assert res["direct"] and res["resident"] == 0, (case, res)
+                # memory_stats counts the state in the swap files, not in memory (the
+                # scalars, like Adam's step counts, stay), and the same unsharded total.
+                mem = res["memory"]
+                assert 0.95 * mem["in memory"] <= mem["nvme"] <= mem["in memory"], mem
+                assert mem["left in memory"] <= 0.05 * mem["in memory"], mem
+                assert mem["unsharded"][0] == mem["unsharded"][1], mem
             else:
-                assert res["files"] == 0, (case, res)
+                assert res["files"] == 0 and res["memory"]["nvme"] == 0, (case, res)
             overflow_at = CASES[case][5]
             if overflow_at is not None:
                 # The overflow step wrote nothing back (and both copies stay equal).

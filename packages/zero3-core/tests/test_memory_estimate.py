@@ -35,6 +35,30 @@ def test_bf16_parameters_get_fp32_masters():
     assert est.grad_bytes == 4 * psi // 4
 
 
+def test_optimizer_offload_moves_masters_and_state_out_of_memory_by_its_ratio(tmp_path):
+    psi = 1 << 20
+    plain = estimate_model_states(psi, 4, param_dtype=torch.bfloat16, config=SHARD_ALL)
+    moved = plain.master_bytes + plain.optimizer_bytes  # 4 + 8 bytes per element, over N
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    est = estimate_model_states(
+        psi, 4, param_dtype=torch.bfloat16,
+        config=Zero3Config(param_persistence_threshold=0, offload_optimizer=nvme),
+    )  # fmt: skip
+    assert est.nvme_bytes == moved == 12 * psi // 4 and est.host_bytes == 0
+    assert est.per_rank_bytes == plain.per_rank_bytes - moved  # params and grads stay
+    assert est.unsharded_bytes == plain.unsharded_bytes
+    half = estimate_model_states(
+        psi, 4, param_dtype=torch.bfloat16,
+        config=Zero3Config(param_persistence_threshold=0, offload_optimizer={**nvme, "ratio": 0.5}),
+    )  # fmt: skip
+    assert half.nvme_bytes == moved // 2
+    cpu = estimate_model_states(
+        psi, 4, config=Zero3Config(param_persistence_threshold=0, offload_optimizer={"device": "cpu"})
+    )
+    assert cpu.host_bytes == 8 * psi // 4 and cpu.nvme_bytes == 0
+    assert cpu.per_rank_bytes == 16 * psi // 4  # host memory is where a CPU run keeps it all
+
+
 def test_a_model_on_meta_counts_padding_persistence_and_frozen_parameters():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(10, 30), nn.LayerNorm(30), nn.Linear(30, 7))

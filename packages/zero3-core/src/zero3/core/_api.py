@@ -150,16 +150,24 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     stepped = sum(p.numel() for p in masters)
     values = [v for opt in optimizers for s in opt.state.values() for v in s.values()]  # type: ignore[attr-defined]
     optimizer_bytes = storage_bytes(v for v in values if isinstance(v, torch.Tensor))
+    # What optimizer offload holds in swap files (its store says; in memory it is empty).
+    nvme_master = nvme_state = 0
+    for opt in optimizers:
+        store = getattr(opt, "offload", None)
+        if store is not None and store.nvme:
+            master_out, state_out, numel_out = store.offloaded_split()
+            nvme_master, nvme_state = nvme_master + master_out, nvme_state + state_out
+            stepped += numel_out
     psi = sum(sp.numel for sp in sps)
     trainable = sum(sp.numel for sp in sps if sp.requires_grad)
     el = max((sp.param.element_size() for sp in sps), default=4)
     reduce_dtype = state.config.reduce_dtype
     grad_el = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else el
     unsharded = psi * el + trainable * grad_el
-    if master_bytes:
+    if master_bytes or nvme_master:
         unsharded += trainable * 4
     if stepped:
-        unsharded += int(trainable * optimizer_bytes / stepped)
+        unsharded += int(trainable * (optimizer_bytes + nvme_state) / stepped)
     gathered = sum(
         sp.numel * sp.param.element_size()
         for sp in sps
@@ -183,4 +191,6 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         peak_bucket_bytes=state.pool.peak_kind_bytes.get("bucket", 0),
         peak_full_grad_bytes=state.reducer.peak_grad_bytes,
         peak_engine_bytes=state.pool.peak_bytes,
+        nvme_master_bytes=nvme_master,
+        nvme_optimizer_bytes=nvme_state,
     )

@@ -9,9 +9,9 @@ Note (how a step runs with ``offload_optimizer: nvme``):
     next ones are queued on the I/O threads while the current one steps, and the
     previous ones' writes run behind; at most ``buffer_count`` page-aligned buffers
     (one record each) are in flight, and all writes are complete when ``step()``
-    returns. The first ``buffer_count`` records' reads start when the step's backward
-    reaches its first module (a listener on the model's step), so they overlap the
-    backward instead of opening the walk with a wait. A record is read straight into its
+    returns. The first ``buffer_count`` records' reads start when the step's backward is
+    half done (a listener on the model's step), so they overlap the rest of the backward
+    instead of opening the walk with a wait, and land after the activations' peak. A record is read straight into its
     buffer and the tensors the wrapped optimizer knows (its parameters, its state) are
     re-pointed at it, so identity and per-parameter semantics are kept for any
     torch-style optimizer.
@@ -81,7 +81,8 @@ class OffloadStats:
         io_wait_s: Seconds ``step()`` waited for reads and writes.
         step_s: Seconds of the whole offloaded step walk (stepping + waiting).
         read_bytes: Bytes read from swap files.
-        read_ahead_bytes: Of those, bytes whose read started during the backward.
+        read_ahead_bytes: Of those, bytes whose read started during the backward (at
+            its half).
         written_bytes: Bytes written to swap files.
     """
 
@@ -257,9 +258,26 @@ class OffloadStore:
         """Bytes of this rank's state held in swap files after the last write."""
         return sum(s.nbytes for s in self._slots.values() if s.on_disk)
 
+    def offloaded_split(self) -> tuple[int, int, int]:
+        """What is now only in swap files: (master bytes, optimizer-state bytes, elements
+        whose master is out), for ``memory_stats``.
+        """
+        master = state = numel = 0
+        for slot in self._slots.values():
+            if slot.on_disk and not slot.resident:
+                for seg in slot.layout:
+                    nbytes = seg.numel * seg.dtype.itemsize
+                    if seg.owner < 0:
+                        master += nbytes
+                    else:
+                        state += nbytes
+                if slot.swap_master:  # its views (one per parameter shard) are empty now
+                    numel += sum(sp.local_numel for sp in slot.sg.params)
+        return master, state, numel
+
     def read_ahead(self) -> None:
         """Start reading the first ``buffer_count`` offloaded records the next step walks
-        (the model's step calls this when a backward reaches its first module).
+        (the model's step calls this when a backward is half done).
         """
         if self._pool is None or self._ahead:
             return

@@ -106,6 +106,13 @@ class MemoryStats:
             (counted by zero3, independent of the allocator). With :attr:`held_bytes`
             this is what zero3 holds at its peak; the rest of the resident set is
             activations, autograd's gradients, the interpreter and allocator slack.
+        nvme_master_bytes: fp32 master bytes optimizer offload keeps in swap files now
+            (``offload_optimizer: nvme``; in memory they are empty, so not in
+            :attr:`master_bytes`).
+        nvme_optimizer_bytes: Optimizer state bytes in swap files now (likewise).
+
+    Where it lives: :attr:`held_bytes` is in the memory of the device the shards are on
+    (host memory on a CPU run), :attr:`nvme_bytes` in this rank's swap files.
     """
 
     world_size: int
@@ -125,6 +132,13 @@ class MemoryStats:
     peak_bucket_bytes: int = 0
     peak_full_grad_bytes: int = 0
     peak_engine_bytes: int = 0
+    nvme_master_bytes: int = 0
+    nvme_optimizer_bytes: int = 0
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Model state in this rank's swap files (masters and optimizer state)."""
+        return self.nvme_master_bytes + self.nvme_optimizer_bytes
 
     def breakdown(self) -> dict[str, int]:
         """Where this rank's memory goes, in bytes: the model state, then each part of
@@ -139,6 +153,7 @@ class MemoryStats:
             "full gradient before reduction (largest)": self.peak_full_grad_bytes,
             "buffer pool cache (peak)": self.peak_pool_bytes,
             "zero3 transient at once (peak)": self.peak_engine_bytes,
+            "model state in swap files (NVMe offload)": self.nvme_bytes,
         }
 
     @property
@@ -174,6 +189,12 @@ class ModelStatesEstimate:
         buffer_bytes: Gather and bucket buffers in use on top of the gathered
             parameters: one gather being copied out and five buckets (four reductions
             in flight and the one filling), each a chunk or the largest parameter.
+        nvme_bytes: Masters and optimizer state in swap files between steps, per rank
+            (``offload_optimizer: nvme``: its ``ratio`` of them); not in
+            :attr:`master_bytes`, :attr:`optimizer_bytes` or :attr:`per_rank_bytes`.
+        host_bytes: Masters and optimizer state offloaded to host memory
+            (``offload_optimizer: cpu``), per rank; on a CPU run host memory is also
+            where the rest is, and these stay in :attr:`per_rank_bytes`.
     """
 
     world_size: int
@@ -188,6 +209,8 @@ class ModelStatesEstimate:
     window_bytes: int = 0
     pool_bytes: int = 0
     buffer_bytes: int = 0
+    nvme_bytes: int = 0
+    host_bytes: int = 0
 
     @property
     def per_rank_bytes(self) -> int:
@@ -352,7 +375,16 @@ def estimate_model_states(
         (torch.empty((), dtype=param_dtype or d).element_size() for _, d, _ in params), default=4
     )
     window, buffers = _window_estimate(model, world_size, config, el)
+    offload = config.offload_optimizer
+    moved = {"master": 0, "optimizer": 0}
+    if offload.device in ("cpu", "nvme"):
+        moved = {k: int(held[k] * offload.ratio) for k in moved}
+    if offload.device == "nvme":  # out of memory between steps
+        held["master"] -= moved["master"]
+        held["optimizer"] -= moved["optimizer"]
     return ModelStatesEstimate(
+        nvme_bytes=sum(moved.values()) if offload.device == "nvme" else 0,
+        host_bytes=sum(moved.values()) if offload.device == "cpu" else 0,
         world_size=world_size,
         numel=sum(n for n, _, _ in params),
         param_bytes=held["param"],

@@ -88,10 +88,14 @@ class TrainingStep:
         self._passes: dict[int, int] = {}  # backward passes that entered a module
         self._tasks: list[int] = []  # graph tasks with an epilogue queued, outermost first
         self._unsharded = False  # inside zero3.hooks.unsharded: steps follow its own trace
-        self._backward_begun = False  # this step's backward has reached a module
-        # Called when a step's backward reaches its first module (optimizer offload reads
-        # the first sub-groups' state then, overlapping the backward): weak, so a
-        # listener's owner (an optimizer) is not kept alive by the model.
+        # Module forwards awaiting backward when this step's backward began (None: not yet),
+        # and whether the listeners were called at its half.
+        self._backward_total: int | None = None
+        self._backward_half_seen = False
+        # Called when a step's backward is half done (optimizer offload reads the first
+        # sub-groups' state then: it overlaps the rest of the backward, and by then half
+        # the activations are freed, so the read buffers do not add to the step's peak);
+        # weak, so a listener's owner (an optimizer) is not kept alive by the model.
         self._backward_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
 
     # -- what the rest of zero3 reads ----------------------------------------------------
@@ -190,13 +194,18 @@ class TrainingStep:
     # -- backward (zero3.hooks) -----------------------------------------------------------
 
     def on_backward(self, listener: Callable[[], None]) -> None:
-        """Call the bound method ``listener`` when each step's backward reaches its first
-        module (before that module's gather). Held weakly: it stops with its object.
+        """Call the bound method ``listener`` when each step's backward is half done: half
+        of the module forwards that awaited a backward when it began have had theirs.
+        Held weakly: it stops with its object.
         """
         self._backward_listeners.append(weakref.WeakMethod(listener))
 
-    def _backward_begins(self) -> None:
-        self._backward_begun = True
+    def _backward_progress(self) -> None:
+        if self._backward_half_seen or self._backward_total is None:
+            return
+        if 2 * self.pending_backwards > self._backward_total:
+            return
+        self._backward_half_seen = True
         alive = []
         for ref in self._backward_listeners:
             listener = ref()
@@ -208,11 +217,12 @@ class TrainingStep:
     def pre_backward(self, index: int) -> None:
         """Gradients reached the module's outputs: gather its parameters."""
         self._queue_epilogue()
-        if not self._backward_begun:
-            self._backward_begins()
+        if self._backward_total is None and self._backward_listeners:
+            self._backward_total = self.pending_backwards
         count = self._pending.get(index, 0)
         if count > 0:
             self._pending[index] = count - 1
+        self._backward_progress()
         self._passes[index] = self._passes.get(index, 0) + 1
         self._fetch(index, forward=False)
 
@@ -315,7 +325,7 @@ class TrainingStep:
             self._open = True
             self._number += 1
             self._training = torch.is_grad_enabled()
-            self._backward_begun = False
+            self._backward_total, self._backward_half_seen = None, False
             self._coordinator.begin_pass(self._training, "unsharded" if self._unsharded else None)
             self._stats.rotate()
 
