@@ -99,8 +99,12 @@ def test_bench_offload_row_moves_the_optimizer_state_and_says_where_its_time_wen
     # One launch: the NVMe row, its swap files under a directory of the test's own.
     monkeypatch.setenv("ZERO3_BENCH_SWAP", str(tmp_path))
     result = _bench("--systems", "zero3-offload-nvme")
-    disk = re.search(rf"^swap directory {re.escape(str(tmp_path))}: write (\d+) MiB/s, read "
-                     r"(\d+) MiB/s \(256 MiB, 1 MiB requests, O_DIRECT\)", result.stdout, re.M)  # fmt: skip
+    disk = re.search(
+        rf"^swap directory {re.escape(str(tmp_path))}: write (\d+) MiB/s, read (\d+) MiB/s "
+        r"\(256 MiB, 1 MiB requests, O_DIRECT\)",
+        result.stdout,
+        re.M,
+    )
     assert disk and int(disk[1]) > 0 and int(disk[2]) > 0, result.stdout
     row = next(x for x in result.stdout.splitlines() if x.startswith("| zero3-offload-nvme |"))
     assert float(row.split("|")[-2]) < 1e-4, row  # the same losses as one process

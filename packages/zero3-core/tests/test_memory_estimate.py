@@ -52,9 +52,8 @@ def test_optimizer_offload_moves_masters_and_state_out_of_memory_by_its_ratio(tm
         config=Zero3Config(param_persistence_threshold=0, offload_optimizer={**nvme, "ratio": 0.5}),
     )  # fmt: skip
     assert half.nvme_bytes == moved // 2
-    cpu = estimate_model_states(
-        psi, 4, config=Zero3Config(param_persistence_threshold=0, offload_optimizer={"device": "cpu"})
-    )
+    host = Zero3Config(param_persistence_threshold=0, offload_optimizer={"device": "cpu"})
+    cpu = estimate_model_states(psi, 4, config=host)
     assert cpu.host_bytes == 8 * psi // 4 and cpu.nvme_bytes == 0
     assert cpu.per_rank_bytes == 16 * psi // 4  # host memory is where a CPU run keeps it all
 

@@ -11,10 +11,10 @@ Note (how a step runs with ``offload_optimizer: nvme``):
     (one record each) are in flight, and all writes are complete when ``step()``
     returns. The first ``buffer_count`` records' reads start when the step's backward is
     half done (a listener on the model's step), so they overlap the rest of the backward
-    instead of opening the walk with a wait, and land after the activations' peak. A record is read straight into its
-    buffer and the tensors the wrapped optimizer knows (its parameters, its state) are
-    re-pointed at it, so identity and per-parameter semantics are kept for any
-    torch-style optimizer.
+    instead of opening the walk with a wait, and land after the activations' peak. A
+    record is read straight into its buffer and the tensors the wrapped optimizer knows
+    (its parameters, its state) are re-pointed at it, so identity and per-parameter
+    semantics are kept for any torch-style optimizer.
 
     Faults are agreed before anything steps and again before anything is written back
     (a one-element all-reduce each): if any rank's file is gone, truncated, short or
