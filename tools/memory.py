@@ -4,6 +4,7 @@
     ./dev run python tools/memory.py load --worlds 2,4   # a >= 1.5 GB fp32 checkpoint
     ./dev run python tools/memory.py table               # training, world 1/2/4 vs theory
     ./dev run python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
+    ./dev run python tools/memory.py largest --cap-mib 600   # the largest GPT under a cap
     ./dev run python tools/memory.py checkpoint          # save, async save, load, consolidate
 
 Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -147,9 +149,10 @@ def _cap_worker(spec: dict[str, Any]) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     w = W(**spec["workload"])
     try:
-        step, _ = SYSTEMS[spec["system"]](w, rank, dist.get_world_size())
+        step, info = SYSTEMS[spec["system"]](w, rank, dist.get_world_size())
         losses = [step(i) for i in range(spec["steps"])]
         outcome = {"ok": True, "losses": losses}
+        info.get("close", lambda: None)()  # the worker leaves with os._exit: files go now
     except (RuntimeError, MemoryError) as exc:
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     data = _meminfo("VmData") - cap + spec["allowance"]  # growth of the data segment
@@ -441,6 +444,40 @@ def cap(layers: int, allowance: int, timeout: float) -> bool:
     return expected
 
 
+def largest(
+    allowance: int, world: int, layers: list[int], systems: list[str], timeout: float
+) -> bool:
+    """The largest benchmark GPT each system trains under one RLIMIT_DATA cap per rank
+    (by default DDP, FSDP2, zero3, and zero3 with its optimizer state in swap files)."""
+    print(f"cap per rank: VmData at the start + {allowance / MiB:.0f} MiB (RLIMIT_DATA); "
+          f"world {world}; the benchmark GPT at {', '.join(map(str, layers))} layers, batch "
+          "1, 2 fp32 AdamW steps; each system stops at its first failure")  # fmt: skip
+    fits: dict[str, int] = {}
+    for system in systems:
+        fits[system] = 0
+        for n in layers:
+            w = Workload(layers=n, batch=1)
+            spec = {"workload": vars(w), "system": system, "steps": 2, "allowance": allowance}
+            rows = launch("cap", world, spec, timeout)
+            data = max(r.get("data", 0) for r in rows) / MiB
+            if not all(r.get("ok") for r in rows):
+                errors = sorted({r.get("error") or r.get("crash", "") for r in rows
+                                 if not r.get("ok")})  # fmt: skip
+                print(f"  {system}, {n} layers: failed (data segment grew {data:.0f} MiB): "
+                      + " | ".join(e[:120] for e in errors), flush=True)  # fmt: skip
+                break
+            fits[system] = _sizes(w)[0] // 4
+            print(f"  {system}, {n} layers (Psi {fits[system] / 1e6:.1f}M): trained (data "
+                  f"segment grew {data:.0f} MiB)", flush=True)  # fmt: skip
+    base = fits.get("ddp") or 1
+    print("\n| system | largest model trained (Psi) | x larger model per GiB of RAM than DDP |")
+    print("|---|---|---|")
+    for system, psi in fits.items():
+        print(f"| {system} | {psi / 1e6:.1f}M | {psi / base:.2f} |")
+    order = [fits[s] for s in ("ddp", "zero3", "zero3-offload-nvme") if s in fits]
+    return all(a < b for a, b in itertools.pairwise(order)) and all(order)
+
+
 #: The checkpoint operations `checkpoint` measures (save runs first: the others read it).
 PHASES = ("save", "async", "load", "load-fresh", "consolidate")
 
@@ -483,7 +520,10 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "what", nargs="?", choices=["build", "load", "table", "cap", "checkpoint"], default="build"
+        "what",
+        nargs="?",
+        choices=["build", "load", "table", "cap", "largest", "checkpoint"],
+        default="build",
     )
     p.add_argument(
         "--worlds", default=None, help="comma-separated world sizes (`checkpoint`: the first)"
@@ -495,7 +535,17 @@ def main() -> int:
         "--systems", default="ddp,zero3,zero3-ds-window", help="tools/bench.py systems for `table`"
     )
     p.add_argument("--cap-layers", type=int, default=16, help="model layers for `cap`")
-    p.add_argument("--cap-mib", type=int, default=800, help="RLIMIT_DATA allowance for `cap`")
+    p.add_argument(
+        "--cap-mib", type=int, default=800, help="RLIMIT_DATA allowance for `cap` / `largest`"
+    )
+    p.add_argument(
+        "--largest-layers", default="2,4,8,12,16,24,32,48",
+        help="layer counts `largest` tries, in order",
+    )  # fmt: skip
+    p.add_argument(
+        "--largest-systems", default="ddp,fsdp2,zero3,zero3-offload-nvme",
+        help="tools/bench.py systems for `largest`",
+    )  # fmt: skip
     p.add_argument(
         "--malloc", choices=["pinned", "glibc"], default="pinned",
         help="glibc's mmap threshold for `build`/`load` ranks: pinned at 128 KiB (bounds "
@@ -529,6 +579,10 @@ def main() -> int:
         ok = table(worlds or [1, 2, 4], systems, args.steps, args.timeout)
     elif args.what == "cap":
         ok = cap(args.cap_layers, args.cap_mib * MiB, args.timeout)
+    elif args.what == "largest":
+        layers = [int(x) for x in args.largest_layers.split(",")]
+        systems = args.largest_systems.split(",")
+        ok = largest(args.cap_mib * MiB, (worlds or [2])[0], layers, systems, args.timeout)
     else:
         phases = args.ckpt_phases.split(",")
         unknown = sorted(set(phases) - set(PHASES))

@@ -158,7 +158,11 @@ def _zero3(
             **_offload_info(opt, walks),
         }
 
-    return step, {"info": info}
+    def close() -> None:  # a worker leaving with os._exit runs no finalizer
+        if opt.offload is not None:
+            opt.offload.close()  # the swap files go now
+
+    return step, {"info": info, "close": close}
 
 
 def _offload_info(opt: Any, walks: list[dict[str, float]]) -> dict[str, Any]:
@@ -292,6 +296,9 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
         faults.append(after.ru_minflt - before.ru_minflt)
         losses.append(loss)
     extra = info.pop("info")() if "info" in info else {}
+    close = info.pop("close", None)
+    if close is not None:
+        close()
     extra.update(info)
     if profiler is not None:
         extra.update(phases.summarize(profiler, steps - (profile_after or 0)))
