@@ -212,10 +212,10 @@ def test_zero3_consolidate_writes_the_tokenizer_beside_the_weights(port):
     assert r["tokens"] == [3, 5] and r["weight_diff"] == 0.0
 
 
-def test_dropped_memory_settings_are_warnings_on_rank_0_only(port):
+def test_offload_settings_leave_no_warning_on_any_rank(port):
     rank0, rank1 = port["warnings"]
-    offload = [m for m in rank0 if "offload_param (device 'cpu') is checked but not acted" in m]
-    assert offload, rank0
+    # offload_param is honoured now (cpu on a CPU run: nothing moves, said at INFO).
+    assert not [m for m in rank0 if "offload_param" in m], rank0
     assert rank1 == [], rank1
 
 

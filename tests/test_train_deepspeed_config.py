@@ -51,10 +51,11 @@ def test_the_transformers_zero3_config_trains_unchanged(tmp_path):
     assert out.count('gradient_clipping: "auto" -> 1.0') == 1
     assert out.count('bf16.enabled: "auto" -> False') == 1
     # Optimizer offload is honoured (cpu: host memory, where a CPU run keeps it anyway);
-    # parameter offload is read but not acted on: a WARNING, once on stdout.
+    # so is parameter offload (cpu: nothing moves on a CPU run, said once).
     assert out.count("zero_optimization.offload_optimizer: offloaded to cpu") == 1
+    assert out.count("zero_optimization.offload_param: offloaded to cpu") == 1
     assert "optimizer offload: cpu" in out
-    assert out.count("offload_param (device 'cpu') is checked but not acted on yet") == 1
+    assert "not acted on" not in out
     assert out.index("gradient_clipping") < out.index("launching 2 local ranks")
     # "auto" optimizer values took the command's own (lr 1e-3, betas (0.9, 0.95)).
     assert "AdamW({'lr': 0.001, 'betas': (0.9, 0.95), 'eps': 1e-08, 'weight_decay': 0.1})" in out
@@ -62,14 +63,18 @@ def test_the_transformers_zero3_config_trains_unchanged(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_offload_flags_swap_the_optimizer_state_to_files(tmp_path):
+def test_offload_flags_swap_the_optimizer_state_and_the_shards_to_files(tmp_path):
     swap = tmp_path / "swap"
-    result = _run(["--nproc", "2", "--offload-optimizer", f"nvme:{swap}", *TINY], tmp_path)
+    flags = ["--offload-optimizer", f"nvme:{swap}", "--offload-param", f"nvme:{swap}"]
+    result = _run(["--nproc", "2", *flags, *TINY], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     line = [x for x in result.stdout.splitlines() if x.startswith("optimizer offload (nvme")]
     assert line and f"{swap}" in line[0] and "I/O wait" in line[0], result.stdout
     assert "started during the backward" in line[0], result.stdout
     assert "read 0.0 MiB" not in line[0]  # state really moved
+    line = [x for x in result.stdout.splitlines() if x.startswith("parameter offload (nvme")]
+    assert line and "of shards in the swap file" in line[0], result.stdout
+    assert "read ahead of its gather" in line[0] and "read 0.0 MiB" not in line[0], line
     assert list(swap.iterdir()) == []  # every rank's files removed at exit
     bad = _run(["--offload-optimizer", "disk", *TINY], tmp_path)
     assert bad.returncode != 0 and "--offload-optimizer must be cpu, nvme:DIR or none" in (

@@ -141,6 +141,13 @@ def _offload_line(
         f"written {median('written_bytes') / 2**20:.0f} MiB per step per rank "
         f"({where[runs[-1]['offload_direct']]})"
     )
+    swap = runs[-1].get("param_swap")
+    if swap is not None:  # cumulative over the last round's run
+        line += (
+            f"; parameter shards: {swap['file_bytes'] / 2**20:.0f} MiB in the swap file, "
+            f"read {swap['read_bytes'] / 2**20:.0f} MiB ({swap['read_ahead_bytes'] / 2**20:.0f} "
+            f"ahead of its gather), waited {swap['io_wait_s']:.2f} s over the run"
+        )
     if in_memory:
         ratios = [
             statistics.median(r["timed"]) / statistics.median(z["timed"])

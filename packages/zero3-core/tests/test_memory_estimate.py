@@ -83,3 +83,25 @@ def test_optimizer_by_name_or_count_and_bad_input():
         estimate_model_states(1000, 0)
     with pytest.raises(TypeError, match=r"nn\.Module"):
         estimate_model_states("model", 2)  # type: ignore[arg-type]
+
+
+def test_parameter_offload_moves_the_shards_out_and_gives_them_separate_masters(tmp_path):
+    psi = 1 << 20
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    plain = estimate_model_states(psi, 4, config=SHARD_ALL)  # fp32: 4 + 4 + 8 per element
+    shards = Zero3Config(param_persistence_threshold=0, offload_param={**nvme, "max_in_cpu": 0})
+    est = estimate_model_states(psi, 4, config=shards)
+    # The fp32 shard leaves; its master becomes a copy of its own, in memory.
+    assert est.param_bytes == 0 and est.nvme_bytes == 4 * psi // 4
+    assert est.master_bytes == 4 * psi // 4
+    assert est.per_rank_bytes == plain.per_rank_bytes
+    both = Zero3Config(param_persistence_threshold=0, offload_param={**nvme, "max_in_cpu": 0},
+                       offload_optimizer=nvme)  # fmt: skip
+    est = estimate_model_states(psi, 4, config=both)
+    # Only the gradient shard stays: 4 (shard) + 4 (master) + 8 (moments) go to disk.
+    assert est.per_rank_bytes == est.grad_bytes == 4 * psi // 4
+    assert est.nvme_bytes == 16 * psi // 4
+    assert est.unsharded_bytes == plain.unsharded_bytes
+    # DeepSpeed's max_in_cpu default (10⁹ elements) keeps a model this small in memory.
+    kept = Zero3Config(param_persistence_threshold=0, offload_param=nvme)
+    assert estimate_model_states(psi, 4, config=kept).param_bytes == plain.param_bytes

@@ -156,11 +156,14 @@ def _zero3(
             "engine": mem.peak_engine_bytes,
             "window": mem.window.describe() if mem.window else "",
             **_offload_info(opt, walks),
+            **_param_swap_info(state.param_swap),
         }
 
     def close() -> None:  # a worker leaving with os._exit runs no finalizer
         if opt.offload is not None:
             opt.offload.close()  # the swap files go now
+        if state.param_swap is not None:
+            state.param_swap.close()
 
     return step, {"info": info, "close": close}
 
@@ -174,6 +177,13 @@ def _offload_info(opt: Any, walks: list[dict[str, float]]) -> dict[str, Any]:
         "offload": {key: statistics.median(w[key] for w in walks) for key in walks[0]},
         "offload_direct": opt.offload.direct_io if opt.offload.nvme else None,
     }
+
+
+def _param_swap_info(swap: Any) -> dict[str, Any]:
+    """Parameter offload's I/O over the run (cumulative counters) and what it holds."""
+    if swap is None:
+        return {}
+    return {"param_swap": dataclasses.asdict(swap.stats) | {"file_bytes": swap.file_bytes}}
 
 
 def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
@@ -227,6 +237,15 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
     "zero3-offload-cpu": lambda w, r, n: _zero3(w, r, n, offload_optimizer={"device": "cpu"}),
     "zero3-offload-nvme": lambda w, r, n: _zero3(
         w, r, n, offload_optimizer={"device": "nvme", "nvme_path": swap_dir()}
+    ),
+    # Both offloads (ZeRO-Infinity's layout): the parameter shards in a swap file too,
+    # read ahead of each gather (max_in_cpu 0: none kept in memory).
+    "zero3-offload-both": lambda w, r, n: _zero3(
+        w,
+        r,
+        n,
+        offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
+        offload_param={"device": "nvme", "nvme_path": swap_dir(), "max_in_cpu": 0},
     ),
     "zero3-keep-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="keep"),
     "zero3-replicate-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="replicate"),

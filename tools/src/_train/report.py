@@ -15,7 +15,7 @@ from torch import nn
 
 from zero3.comm import CommBackend
 from zero3.core import StepStats, Zero3Config, memory_stats, peak_rss_bytes
-from zero3.core.engine import sharded_state
+from zero3.core.engine import ParamSwap, sharded_state
 from zero3.optim import OffloadStats, PartitionedOptimizer
 
 METRICS = [
@@ -48,6 +48,11 @@ METRICS = [
     "swap_read",
     "swap_written",
     "swap_read_ahead",
+    "param_read",
+    "param_read_ahead",
+    "param_written",
+    "param_io_wait",
+    "param_nvme",
 ]
 
 
@@ -90,8 +95,21 @@ def rank_metrics(
         memory.peak_full_grad_bytes, memory.peak_pool_bytes, memory.peak_engine_bytes,
         *(statistics.median(getattr(w, f) for w in swaps) if swaps else 0.0
           for f in ("io_wait_s", "step_s", "read_bytes", "written_bytes", "read_ahead_bytes")),
+        *_param_swap_row(state.param_swap, max(1, len(step_times))),
+        memory.nvme_param_bytes,
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
+
+
+def _param_swap_row(swap: ParamSwap | None, steps: int) -> list[float]:
+    """Parameter offload's reads, reads ahead, writes and I/O wait, per step (means over
+    the run: its counters are cumulative).
+    """
+    if swap is None:
+        return [0.0] * 4
+    s = swap.stats
+    return [s.read_bytes / steps, s.read_ahead_bytes / steps, s.written_bytes / steps,
+            s.io_wait_s / steps]  # fmt: skip
 
 
 def gather_rows(comm: CommBackend, row: torch.Tensor) -> list[torch.Tensor]:
@@ -219,6 +237,8 @@ def format_summary(
     ]
     if config.offload_optimizer.enabled:
         lines.append(_offload_line(config, per_rank))
+    if config.offload_param.enabled:
+        lines.append(_param_offload_line(config, per_rank))
     return "\n".join(lines)
 
 
@@ -287,6 +307,21 @@ def _offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
         f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])} "
         f"({_mb(worst['swap_read_ahead'])} of it started during the backward), "
         f"written {_mb(worst['swap_written'])}"
+    )
+
+
+def _param_offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
+    """Where parameter offload's time went (mean step of the run, slowest rank)."""
+    section = config.offload_param
+    worst = max(per_rank, key=lambda r: r["param_io_wait"])
+    if section.device != "nvme" or (not worst["param_nvme"] and not worst["param_read"]):
+        return f"parameter offload: {section.device} (shards in host memory; no swap I/O)"
+    return (
+        f"parameter offload (nvme, {section.nvme_path}): {_mb(worst['param_nvme'])} of "
+        f"shards in the swap file per rank; per step, I/O wait {worst['param_io_wait']:.3f} s "
+        f"in a step of {worst['step_time']:.3f} s; read {_mb(worst['param_read'])} "
+        f"({_mb(worst['param_read_ahead'])} of it read ahead of its gather), written "
+        f"{_mb(worst['param_written'])}"
     )
 
 

@@ -162,8 +162,9 @@ def parser() -> argparse.ArgumentParser:
         "--offload-param",
         default=None,
         metavar="cpu|nvme:DIR",
-        help="Zero3Config.offload_param (read and checked; parameter shards stay where "
-        "the parameters are in this version; default: none)",
+        help="keep the parameter shards in host memory (cpu) or in a swap file under DIR "
+        "(nvme, with max_in_cpu 0: every sharded shard goes there), read back ahead of each "
+        "gather (default: none, or the DeepSpeed config's offload_param)",
     )
     ckpt = p.add_argument_group("checkpoints (torch.distributed.checkpoint, any number of ranks)")
     ckpt.add_argument(
@@ -407,7 +408,12 @@ def _offload_flag(flag: str, value: str) -> dict[str, Any]:
     if value in ("cpu", "none"):
         return {"device": value}
     if value.startswith("nvme:") and len(value) > len("nvme:"):
-        return {"device": "nvme", "nvme_path": value[len("nvme:") :]}
+        section: dict[str, Any] = {"device": "nvme", "nvme_path": value[len("nvme:") :]}
+        if flag == "--offload-param":
+            # DeepSpeed's max_in_cpu default (10⁹ elements) would keep a model this
+            # command trains in memory: the flag asks for the shards on disk.
+            section["max_in_cpu"] = 0
+        return section
     raise ValueError(f"{flag} must be cpu, nvme:DIR or none, got {value!r}")
 
 

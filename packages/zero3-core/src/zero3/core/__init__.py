@@ -36,7 +36,7 @@ from zero3.core.files._format import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from zero3.core.params._params import local_shard
+from zero3.core.params._params import ParamOffloadError, local_shard
 from zero3.core.state_dict._full import LoadResult
 from zero3.core.state_dict._sharded import load_sharded_state_dict, sharded_state_dict
 
@@ -55,6 +55,7 @@ __all__ = [
     "ModulePath",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "ParamOffloadError",
     "SafetensorsSource",
     "StepStats",
     "WeightSource",

@@ -141,7 +141,7 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     """
     state = sharded_state(module)
     sps = state.params
-    shards = [sp.shard for sp in sps] + [sp.param for sp in sps if sp.persistent]
+    shards = [sp.held_shard for sp in sps] + [sp.param for sp in sps if sp.persistent]
     param_bytes = storage_bytes(shards)
     grad_bytes = storage_bytes(state.reducer.grad_buffers())
     optimizers = [optimizer] if optimizer is not None else state.optimizers()
@@ -164,7 +164,11 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     reduce_dtype = state.config.reduce_dtype
     grad_el = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else el
     unsharded = psi * el + trainable * grad_el
-    if master_bytes or nvme_master:
+    # A separate fp32 master is part of the one-process state only for other dtypes
+    # (parameter offload keeps an fp32 parameter's master apart from its shard too).
+    if (master_bytes or nvme_master) and any(
+        sp.requires_grad and sp.dtype != torch.float32 for sp in sps
+    ):
         unsharded += trainable * 4
     if stepped:
         unsharded += int(trainable * (optimizer_bytes + nvme_state) / stepped)
@@ -193,4 +197,5 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         peak_engine_bytes=state.pool.peak_bytes,
         nvme_master_bytes=nvme_master,
         nvme_optimizer_bytes=nvme_state,
+        nvme_param_bytes=state.param_swap.offloaded_bytes() if state.param_swap else 0,
     )

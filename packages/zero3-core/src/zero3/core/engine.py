@@ -49,6 +49,7 @@ from zero3.core.grads._reduce_paths import (
     ReduceScatterPath,
     Reduction,
 )
+from zero3.core.model._param_offload import ParamSwap, ParamSwapStats, raise_if_any_rank_failed
 from zero3.core.model._state import (
     ShardedModelState,
     mark_leaf,
@@ -90,6 +91,8 @@ __all__ = [
     "Moment",
     "OpKind",
     "ParamStatus",
+    "ParamSwap",
+    "ParamSwapStats",
     "Phase",
     "ReducePath",
     "ReduceScatterPath",
@@ -119,6 +122,7 @@ __all__ = [
     "match_leaf_modules",
     "open_weight_source",
     "quiet_dcp_warnings",
+    "raise_if_any_rank_failed",
     "raise_on_every_rank",
     "resident_pages",
     "resolve_window",

@@ -85,7 +85,7 @@ def _gathered_bytes(sp: ShardedParam | None) -> int:
     """Bytes a gather of ``sp`` makes whole (0: nothing to gather)."""
     if sp is None or sp.persistent or sp.aliases_param:
         return 0
-    return sp.numel * sp.shard.element_size()
+    return sp.numel * sp.itemsize
 
 
 def _stream(

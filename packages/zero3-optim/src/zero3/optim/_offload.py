@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zero3.comm import ReduceOp
 from zero3.core.engine import (
     AlignedBuffer,
     IOPool,
@@ -51,6 +50,7 @@ from zero3.core.engine import (
     SwapFile,
     check_free_space,
     make_swap_dir,
+    raise_if_any_rank_failed,
     round_up,
 )
 
@@ -66,7 +66,6 @@ __all__ = ["OffloadError", "OffloadStats", "OffloadStore"]
 
 _log = logging.getLogger("zero3.optim")
 _ALIGN = 64  # bytes between state segments: any dtype's view is aligned
-_MAX_MESSAGE = 1024  # bytes of a failing rank's message shared with the others
 
 
 class OffloadError(RuntimeError):
@@ -347,12 +346,15 @@ class OffloadStore:
         for sp, offset, view in zip(sg.params, sg.offsets, sg.views, strict=True):
             n = sp.local_numel
             view.set_(values[offset : offset + n])  # type: ignore[call-overload]
-            # An edit made while the master was out reached the shard only: take it.
+            sp.master = view
+            # An edit made while the master was out reached the shard only: take it. An
+            # offloaded shard says whether it was edited (no read of every shard).
+            if sp.home is not None and not self._zstate.take_shard_edit(sp):
+                continue
             shard = sp.shard[:n]
             edited = shard != view.to(shard.dtype)
             if bool(edited.any()):
                 view[edited] = shard[edited].to(torch.float32)
-            sp.master = view
 
     def _pack(self, slot: _Slot) -> AlignedBuffer:
         """Gather ``slot``'s masters and state into one buffer and empty the tensors the
@@ -397,7 +399,7 @@ class OffloadStore:
         """
         if slot.swap_master:
             for sp, view in zip(slot.sg.params, slot.sg.views, strict=True):
-                sp.shard[: sp.local_numel].copy_(view)
+                sp.write_local(view, masters=False, stepped=True)
 
     # -- moving ---------------------------------------------------------------------------
 
@@ -491,20 +493,11 @@ class OffloadStore:
 
     def _agree(self, error: BaseException | None) -> None:
         """Every rank raises the same OffloadError if any rank failed (a collective)."""
-        comm = self._zstate.comm
-        device = self._zstate.grad_comm.device()
-        flag = torch.tensor([comm.rank + 1.0 if error is not None else 0.0], device=device)
-        self._zstate.all_reduce(flag, ReduceOp.MAX)
-        failed = int(flag.item()) - 1
-        if failed < 0:
-            return
-        text = str(error).encode()[:_MAX_MESSAGE] if failed == comm.rank else b""
-        codes = torch.zeros(_MAX_MESSAGE, dtype=torch.float32, device=device)
-        if text:
-            codes[: len(text)] = torch.tensor(list(text), dtype=torch.float32)
-        self._zstate.all_reduce(codes, ReduceOp.SUM)
-        message = bytes(int(c) for c in codes.tolist() if c).decode(errors="replace")
-        raise OffloadError(f"optimizer offload failed on rank {failed}: {message}") from error
+        zstate = self._zstate
+        raise_if_any_rank_failed(
+            zstate.all_reduce, zstate.comm.rank, zstate.grad_comm.device(), error,
+            lambda message: OffloadError(f"optimizer offload failed on {message}"),
+        )  # fmt: skip
 
 
 class _Walk:

@@ -231,7 +231,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for sp in members:
             offsets.append(cursor)
             cursor += sp.shard_numel
-        if not self.flat and all(sp.dtype == torch.float32 for sp in members):
+        if not self.flat and all(sp.dtype == torch.float32 and sp.home is None for sp in members):
             # fp32 parameters, one tensor each: the shard is the master. No extra copy of
             # the fp32 state, nothing to write back (and in a world of one the shard is
             # the parameter itself, so the step updates it in place).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from zero3.core.config._checks import (
     check_int,
     check_timeout,
 )
-from zero3.core.config._deepspeed import fields_from_deepspeed, first_rank
+from zero3.core.config._deepspeed import fields_from_deepspeed
 from zero3.core.config._leaves import LeafTarget, check_leaf_targets
 from zero3.core.config._offload import (
     OFFLOAD_SUB_GROUP_SIZE,
@@ -243,8 +242,6 @@ class Zero3Config:
             ("aio", AioConfig),
         ):
             self._set(name, as_section(f"Zero3Config.{name}", cls, getattr(self, name)))  # type: ignore[type-var]
-        if self.offload_param.enabled and first_rank():
-            _param_offload_not_done(self.offload_param.device)
         if self.sub_group_size is not None:
             return
         if not self.offload_optimizer.enabled:
@@ -310,17 +307,6 @@ class Zero3Config:
         fields = fields_from_deepspeed(config, overrides=overrides.keys())
         fields.update(overrides)
         return cls(**fields)
-
-
-@functools.cache
-def _param_offload_not_done(device: str) -> None:
-    """Say once per process that ``offload_param`` is read but not acted on."""
-    _log.warning(
-        "zero3: offload_param (device %r) is checked but not acted on yet: parameter shards "
-        "stay where the parameters are (on a CPU run that is host memory already); "
-        "offload_optimizer is honoured",
-        device,
-    )
 
 
 def _rebuild(fields: dict[str, Any]) -> Zero3Config:

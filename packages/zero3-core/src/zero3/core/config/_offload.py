@@ -105,14 +105,22 @@ class OffloadOptimizerConfig:
 class OffloadParamConfig:
     """Where parameter shards live between uses (``zero_optimization.offload_param``).
 
+    With ``nvme`` each rank's shards of sharded (not persistent) parameters live in one
+    swap file and are read back ahead of each gather, in trace order (see the Offload
+    guide, docs/offload.rst).
+
     Attributes:
-        device: ``"none"``, ``"cpu"`` or ``"nvme"``.
+        device: ``"none"``, ``"cpu"`` (host memory: where a CPU run keeps them anyway)
+            or ``"nvme"``.
         nvme_path: Directory of the swap files (``nvme``; may be the optimizer's).
         pin_memory: Page-lock the host buffers (no-op without an accelerator, logged).
-        buffer_count: Shard buffers read ahead at once.
-        buffer_size: Elements per read-ahead buffer.
-        max_in_cpu: Most shard elements kept in host memory between uses (``nvme``);
-            0 keeps none.
+        buffer_count: Shards read ahead at once (reads in flight).
+        buffer_size: Elements per read-ahead buffer: at most ``buffer_count *
+            buffer_size`` elements are read ahead at once (one shard always may be).
+        max_in_cpu: Shard elements kept in host memory for good (``nvme``): the first
+            shards in parameter order up to this many stay out of the swap file.
+            DeepSpeed's default, 10⁹, keeps every shard of a model with fewer elements
+            per rank in memory (logged at shard time); 0 moves them all.
     """
 
     device: Device = "none"

@@ -110,6 +110,8 @@ class MemoryStats:
             (``offload_optimizer: nvme``; in memory they are empty, so not in
             :attr:`master_bytes`).
         nvme_optimizer_bytes: Optimizer state bytes in swap files now (likewise).
+        nvme_param_bytes: Parameter shard bytes parameter offload keeps in its swap file
+            now (``offload_param: nvme``; not in :attr:`param_bytes`).
 
     Where it lives: :attr:`held_bytes` is in the memory of the device the shards are on
     (host memory on a CPU run), :attr:`nvme_bytes` in this rank's swap files.
@@ -134,11 +136,14 @@ class MemoryStats:
     peak_engine_bytes: int = 0
     nvme_master_bytes: int = 0
     nvme_optimizer_bytes: int = 0
+    nvme_param_bytes: int = 0
 
     @property
     def nvme_bytes(self) -> int:
-        """Model state in this rank's swap files (masters and optimizer state)."""
-        return self.nvme_master_bytes + self.nvme_optimizer_bytes
+        """Model state in this rank's swap files (parameter shards, masters, optimizer
+        state).
+        """
+        return self.nvme_param_bytes + self.nvme_master_bytes + self.nvme_optimizer_bytes
 
     def breakdown(self) -> dict[str, int]:
         """Where this rank's memory goes, in bytes: the model state, then each part of
@@ -190,8 +195,11 @@ class ModelStatesEstimate:
             parameters: one gather being copied out and five buckets (four reductions
             in flight and the one filling), each a chunk or the largest parameter.
         nvme_bytes: Masters and optimizer state in swap files between steps, per rank
-            (``offload_optimizer: nvme``: its ``ratio`` of them); not in
-            :attr:`master_bytes`, :attr:`optimizer_bytes` or :attr:`per_rank_bytes`.
+            (``offload_optimizer: nvme``: its ``ratio`` of them), and the parameter
+            shards ``offload_param: nvme`` moves there (beyond ``max_in_cpu``); not in
+            :attr:`param_bytes`, :attr:`master_bytes`, :attr:`optimizer_bytes` or
+            :attr:`per_rank_bytes`. An offloaded shard's master is a separate fp32 copy
+            (in :attr:`master_bytes` unless the optimizer is offloaded too).
         host_bytes: Masters and optimizer state offloaded to host memory
             (``offload_optimizer: cpu``), per rank; on a CPU run host memory is also
             where the rest is, and these stay in :attr:`per_rank_bytes`.
@@ -352,6 +360,8 @@ def estimate_model_states(
     reduce_dtype = reduce_dtype or config.reduce_dtype
     held = {"param": 0, "grad": 0, "master": 0, "optimizer": 0}
     unsharded = 0
+    swapping = config.offload_param.device == "nvme" and world_size > 1
+    kept = param_nvme = 0  # shard elements max_in_cpu keeps; shard bytes swapped out
     for numel, own_dtype, trainable in params:
         dtype = param_dtype or own_dtype
         el = torch.empty((), dtype=dtype).element_size()
@@ -363,11 +373,17 @@ def estimate_model_states(
         else:  # a persistent parameter keeps its shard and its whole self
             held["param"] += shard * el + (numel * el if whole else 0)
         unsharded += numel * el
+        swapped = swapping and not whole and kept + shard > config.offload_param.max_in_cpu
+        if swapped:
+            held["param"] -= shard * el
+            param_nvme += shard * el
+        elif swapping and not whole:
+            kept += shard
         if not trainable:
             continue
         local = min(shard, numel)
         held["grad"] += shard * grad_el if world_size > 1 else numel * grad_el
-        held["master"] += 0 if dtype == torch.float32 else shard * 4
+        held["master"] += 0 if dtype == torch.float32 and not swapped else shard * 4
         held["optimizer"] += int(local * states * 4)
         unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
         unsharded += int(numel * states * 4)
@@ -383,7 +399,7 @@ def estimate_model_states(
         held["master"] -= moved["master"]
         held["optimizer"] -= moved["optimizer"]
     return ModelStatesEstimate(
-        nvme_bytes=sum(moved.values()) if offload.device == "nvme" else 0,
+        nvme_bytes=(sum(moved.values()) if offload.device == "nvme" else 0) + param_nvme,
         host_bytes=sum(moved.values()) if offload.device == "cpu" else 0,
         world_size=world_size,
         numel=sum(n for n, _, _ in params),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import mmap
 import os
 import queue
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 PAGE = mmap.PAGESIZE
+_MADE: set[Path] = set()  # swap directories this process made (see make_swap_dir)
 _IO_STACK = 256 * 1024  # bytes; the I/O threads only call os.preadv/pwritev
 _T = TypeVar("_T")
 
@@ -89,7 +91,8 @@ class AlignedBuffer:
 
 
 class SwapFile:
-    """One swap file: written and read whole, at offset 0, in ``block_size`` requests.
+    """One swap file: written and read whole (or in page-aligned regions at an offset),
+    in ``block_size`` requests.
 
     Args:
         path: The file (created; an existing one is an error: it is not ours).
@@ -115,7 +118,7 @@ class SwapFile:
         except OSError as exc:
             raise SwapError(f"cannot create swap file {path}: {exc.strerror or exc}") from exc
         self._inode = os.fstat(self._fd).st_ino
-        self.written = 0  # bytes of the last complete write
+        self.written = 0  # end of the last complete write
 
     def reserve(self, nbytes: int) -> None:
         """Allocate ``nbytes`` on disk now, so a full disk fails here, not mid-step."""
@@ -127,24 +130,27 @@ class SwapFile:
                 f"{exc.strerror or exc}"
             ) from exc
 
-    def write(self, buf: AlignedBuffer, nbytes: int) -> None:
-        """Write the first ``nbytes`` (rounded up to a page) of ``buf``."""
+    def write(self, buf: AlignedBuffer, nbytes: int, *, offset: int = 0) -> None:
+        """Write the first ``nbytes`` (rounded up to a page) of ``buf`` at ``offset`` (a
+        multiple of the page).
+        """
         total = round_up(nbytes)
         done = 0
         try:
             while done < total:
-                n = os.pwritev(self._fd, [buf.view(done, min(self.block_size, total - done))], done)
+                chunk = buf.view(done, min(self.block_size, total - done))
+                n = os.pwritev(self._fd, [chunk], offset + done)
                 if n <= 0:
                     raise OSError(errno.EIO, "short write")
                 done += n
             if not self.direct:
-                os.posix_fadvise(self._fd, 0, total, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self._fd, offset, total, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise SwapError(
-                f"writing {total:,} bytes to swap file {self.path} failed after {done:,}: "
-                f"{exc.strerror or exc}"
+                f"writing {total:,} bytes to swap file {self.path} at offset {offset:,} "
+                f"failed after {done:,}: {exc.strerror or exc}"
             ) from exc
-        self.written = total
+        self.written = offset + total
 
     def check(self, nbytes: int) -> None:
         """Raise unless the file is still there, the same file, and ``nbytes`` long."""
@@ -160,23 +166,25 @@ class SwapFile:
                 f"{round_up(nbytes):,} expected"
             )
 
-    def read(self, buf: AlignedBuffer, nbytes: int) -> None:
-        """Read the first ``nbytes`` (rounded up to a page) into ``buf``; a short read
-        is an error, never zeros.
+    def read(self, buf: AlignedBuffer, nbytes: int, *, offset: int = 0) -> None:
+        """Read ``nbytes`` (rounded up to a page) at ``offset`` (a multiple of the page)
+        into ``buf``; a short read is an error, never zeros.
         """
         total = round_up(nbytes)
         done = 0
         try:
             while done < total:
-                n = os.preadv(self._fd, [buf.view(done, min(self.block_size, total - done))], done)
+                chunk = buf.view(done, min(self.block_size, total - done))
+                n = os.preadv(self._fd, [chunk], offset + done)
                 if n <= 0:
-                    raise OSError(errno.EIO, f"short read: end of file at {done:,} bytes")
+                    raise OSError(errno.EIO, f"short read: end of file at {offset + done:,} bytes")
                 done += n
             if not self.direct:
-                os.posix_fadvise(self._fd, 0, total, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self._fd, offset, total, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise SwapError(
-                f"reading {total:,} bytes from swap file {self.path} failed: {exc.strerror or exc}"
+                f"reading {total:,} bytes at offset {offset:,} from swap file {self.path} "
+                f"failed: {exc.strerror or exc}"
             ) from exc
 
     def close(self, *, unlink: bool = True) -> None:
@@ -253,8 +261,14 @@ def make_swap_dir(root: Path, label: str, rank: int) -> tuple[Path, list[Path]]:
     host = socket.gethostname().replace("-", "_") or "host"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        path = root / f"zero3-{label}-{host}-{os.getpid()}-rank{rank}"
+        # A second model (or optimizer) of this process offloading under the same root
+        # takes the next free name; anything else standing there is not ours: an error.
+        for n in itertools.count(1):
+            path = root / f"zero3-{label}{n if n > 1 else ''}-{host}-{os.getpid()}-rank{rank}"
+            if path not in _MADE or not path.is_dir():
+                break
         path.mkdir()
+        _MADE.add(path)
     except OSError as exc:
         raise SwapError(
             f"cannot create the swap directory under {root} ({exc.strerror or exc}): give "

@@ -120,7 +120,7 @@ class LateGradients:
 
         Returns each member's reduced shard and the fingerprint elements.
         """
-        device = members[0].shard.device
+        device = members[0].device
         outputs = [torch.empty(sp.shard_numel, dtype=dtype, device=device) for sp in members]
         inputs = [padded_flat(sp, self.grads.get(sp.index), dtype, device) for sp in members]
         outputs.append(torch.empty(FINGERPRINT_SLOTS, dtype=dtype, device=device))
@@ -269,7 +269,7 @@ class GradReducer:
         if self.comm.world_size == 1:
             return self._whole.kept[sp.index]
         bucket, k = self._bucket_of[sp.index]
-        return self._partition.slot(bucket, k, sp.shard.device)
+        return self._partition.slot(bucket, k, sp.device)
 
     def holds_grad(self, sp: ShardedParam) -> bool:
         """Whether plain PyTorch would hold a gradient of ``sp`` in ``param.grad`` now: a
@@ -334,7 +334,7 @@ class GradReducer:
             bucket = self.buckets[self._next_launch]
             self._next_launch += 1
             bucket.launched = True
-            region = self._partition.region(bucket, bucket.params[0].shard.device)
+            region = self._partition.region(bucket, bucket.params[0].device)
             self._track(self.path.launch(bucket, region, accumulate=self._accumulate))
 
     # -- in flight ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from zero3.core.construct._materialize import (
 from zero3.core.diag._guard import CollectiveGuard, Op, OpKind, waiting_for
 from zero3.core.diag._stats import StatsBook, StepStats
 from zero3.core.diag._tracer import Tracer
+from zero3.core.files._swap import SwapError
 from zero3.core.grads._reducer import GradReducer
 from zero3.core.model._adopt import (
     ADOPT_TITLE,
@@ -32,13 +33,14 @@ from zero3.core.model._adopt import (
     prepare_params,
     relabel,
 )
+from zero3.core.model._param_offload import ParamSwap, raise_if_any_rank_failed, say_once
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
 from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
 from zero3.core.params import _params
 from zero3.core.params._broadcast import broadcast_from_rank0
 from zero3.core.params._coordinator import GATHERED_PARAMETERS, UNSHARDED, ParamCoordinator
-from zero3.core.params._params import ParamStatus, ShardedParam
+from zero3.core.params._params import ParamOffloadError, ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
 
 __all__ = [
@@ -140,6 +142,9 @@ class ShardedModelState:
         )
         for sp in self.params:  # param.grad asks the reducer (parameters unfrozen later too)
             sp.grads = self.step
+        #: Where ``offload_param: nvme`` keeps the parameter shards (None: in memory).
+        self.param_swap: ParamSwap | None = self._offload_params()
+        self.coordinator.shard_home = self.param_swap
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
         self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
@@ -149,6 +154,49 @@ class ShardedModelState:
         self.unsharded_plan: UnshardedPlan | None = None
         #: Counts adoptions (:meth:`adopt`): the hooks install theirs on new modules.
         self.structure_version = 0
+
+    def _offload_params(self) -> ParamSwap | None:
+        """Move the parameter shards to their swap file (``offload_param``), agreed by
+        every rank: one that cannot create or fill its file fails them all.
+        """
+        section = self.config.offload_param
+        if not section.enabled:
+            return None
+        device = self.params[0].device if self.params else self.comm.device()
+        if device.type != "cpu":
+            raise NotImplementedError(
+                f"offload_param {section.device!r} with parameters on {device} is not "
+                "implemented yet (only CPU-resident shards); set offload_param "
+                '{"device": "none"}'
+            )
+        if section.device == "cpu" or self.comm.world_size == 1:
+            why = (
+                "the shards are in host memory already on a CPU run"
+                if section.device == "cpu"
+                else "in a world of one the shards are the parameters themselves"
+            )
+            say_once(f"zero3: offload_param {section.device}: nothing moves ({why})")
+            return None
+        swap: ParamSwap | None = None
+        error: BaseException | None = None
+        try:
+            swap = ParamSwap(self.params, section, self.config.aio, self.comm.rank,
+                             self.all_reduce)  # fmt: skip
+        except (SwapError, OSError) as exc:
+            error = exc
+        raise_if_any_rank_failed(
+            self.all_reduce, self.comm.rank, self.grad_comm.device(), error,
+            lambda message: ParamOffloadError(f"zero3: parameter offload failed on {message}"),
+        )  # fmt: skip
+        assert swap is not None
+        if swap.kept_numel and self.comm.rank == 0:
+            _log.info(
+                "zero3: offload_param nvme: %s shard elements per rank stay in host memory "
+                "(offload_param.max_in_cpu = %s); %s go to %s",
+                f"{swap.kept_numel:,}", f"{section.max_in_cpu:,}",
+                f"{sum(sp.shard_numel for sp in swap.params):,}", swap.path.parent,
+            )  # fmt: skip
+        return swap
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -262,7 +310,7 @@ class ShardedModelState:
             shape=param.shape,
             numel=numel,
             shard_numel=shard_numel,
-            shard=shard,
+            _shard=shard,
             persistent=is_persistent(numel, world, self.config),
             rank=rank,
             world_size=world,
@@ -555,19 +603,32 @@ class ShardedModelState:
         the master, which :meth:`commit_step` copies back and writes keep in step with
         edits made outside the optimizer (loading, ``gathered_parameters``).
         """
-        device = params[0].shard.device
+        device = params[0].device
         flat = torch.empty(sum(sp.shard_numel for sp in params), dtype=torch.float32, device=device)
         views, cursor = [], 0
         for sp in params:
             region = flat[cursor : cursor + sp.shard_numel]
             cursor += sp.shard_numel
             region.copy_(sp.shard)
-            if sp.dtype == torch.float32 and not sp.aliases_param:
+            if sp.home is not None:  # an offloaded shard stays apart: its master is a copy
+                sp.home.drop(sp)
+                sp.master = region[: sp.local_numel]
+            elif sp.dtype == torch.float32 and not sp.aliases_param:
                 sp.shard = region
             else:
                 sp.master = region[: sp.local_numel]
             views.append(region[: sp.local_numel])
         return flat, views
+
+    def take_shard_edit(self, sp: ShardedParam) -> bool:
+        """Whether ``sp``'s offloaded shard was set from outside the optimizer since the
+        optimizer last asked (a load, ``gathered_parameters``); asking clears it.
+        """
+        swap = self.param_swap
+        if swap is None or not swap.edited(sp):
+            return False
+        swap.took_edit(sp)
+        return True
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """A small all-reduce on the gradient backend (norms, overflow flags), counted."""
@@ -592,10 +653,13 @@ class ShardedModelState:
         with torch.no_grad():
             for sp in params:
                 if sp.master is not None:
-                    sp.shard[: sp.local_numel].copy_(sp.master)
+                    sp.write_local(sp.master, masters=False, stepped=True)
                 if not sp.aliases_param and whole(sp):
                     whole_here.append(sp)
+        if self.param_swap is not None:  # the stepped shards are on disk on every rank
+            self.param_swap.settle(self.grad_comm.device())
         self.coordinator.refresh(whole_here, self.step.moment())
+        self.coordinator.read_ahead(-1)  # the next step's first offloaded shards
 
     # -- consistency across ranks --------------------------------------------------------
 
@@ -653,6 +717,9 @@ class ShardedModelState:
         self.step.close()
         self.synchronize()
         self.coordinator.fetch_params(self.params, -1, self.step.moment())
+        if self.param_swap is not None:  # shards back in memory, the swap file removed
+            self.param_swap.close()
+            self.param_swap = self.coordinator.shard_home = None
         for sp in self.params:
             _params.unregister(sp.param)
             _params.undress_sharded(sp.param)
@@ -724,6 +791,12 @@ class ShardedModelState:
                 f"zero3: cannot cast {type(self.module).__name__} to {dtype} {where}; "
                 "cast between steps, after the optimizer step (or zero_grad)"
             )
+        if self.param_swap is not None:
+            raise ValueError(
+                f"zero3: cannot cast {type(self.module).__name__} to {dtype}: its parameter "
+                "shards are offloaded (offload_param), laid out in their swap file by "
+                "dtype; cast before shard_module (or set Zero3Config.param_dtype)"
+            )
         self.coordinator.release_kept()  # frozen_params' whole copies: cast the shards only
         self.synchronize()  # whole parameters' edits reach the shards before the cast
         with torch.no_grad():
@@ -735,7 +808,7 @@ class ShardedModelState:
         return True
 
     def _check_device(self, device: torch.device) -> None:
-        here = self.params[0].shard.device if self.params else self.comm.device()
+        here = self.params[0].device if self.params else self.comm.device()
         # Every CPU index names the same memory ("cpu:0" is what some launchers give).
         if device.type == here.type and (
             device.type == "cpu" or device.index in (None, here.index)

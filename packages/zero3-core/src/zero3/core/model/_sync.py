@@ -212,7 +212,7 @@ class ModelSync:
         """
         comm = self.comm
         world = comm.world_size
-        orig = torch.empty(sp.padded_numel, dtype=sp.dtype, device=sp.shard.device)
+        orig = torch.empty(sp.padded_numel, dtype=sp.dtype, device=sp.device)
         comm.all_gather(orig, sp.shard.contiguous()).wait()
         # Rank-major [values | written] per destination rank; MAX over ranks keeps, for
         # each element, the largest value any rank wrote and whether anyone wrote it.

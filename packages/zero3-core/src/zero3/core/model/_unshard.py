@@ -45,7 +45,7 @@ class UnshardedPlan:
 
 
 def _nbytes(sp: ShardedParam) -> int:
-    return sp.numel * sp.shard.element_size()
+    return sp.numel * sp.itemsize
 
 
 def trace_order(

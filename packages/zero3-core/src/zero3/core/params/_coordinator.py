@@ -47,7 +47,13 @@ from zero3.core.diag._guard import CollectiveGuard, Moment, Op, OpKind, Phase, w
 from zero3.core.diag._stats import StatsBook
 from zero3.core.diag._tracer import Tracer
 from zero3.core.params._gather import GatherHandle, GatherLayout, verify_fingerprints
-from zero3.core.params._params import ParamStatus, ShardedParam, free_full, write_full
+from zero3.core.params._params import (
+    ParamStatus,
+    ShardedParam,
+    ShardHome,
+    free_full,
+    write_full,
+)
 from zero3.core.params._pool import BufferPool
 from zero3.core.params._trace import Trace, TraceState
 
@@ -150,6 +156,8 @@ class ParamCoordinator:
         #: With a bound (``zero3.hooks.unsharded(max_bytes=...)``): prefetches never take
         #: the gathered bytes past it, and modules release on exit (no reuse window).
         self.cap_bytes: int | None = None
+        #: Where offloaded shards live (``offload_param``): read ahead in trace order.
+        self.shard_home: ShardHome | None = None
 
     @property
     def window(self) -> GatherWindow:
@@ -286,10 +294,10 @@ class ParamCoordinator:
         ones the rule of ``zero3.core.config._window`` from the current fetch units.
         """
         sharded = [sp for ps in self._direct for sp in ps if not sp.persistent]
-        elem = max((sp.shard.element_size() for sp in sharded), default=4)
+        elem = max((sp.itemsize for sp in sharded), default=4)
         units = (sum(sp.numel for sp in self.fetch_set(i)) for i in self.hooked_modules())
         world = self.comm.world_size
-        shard_bytes = 2 * sum(sp.shard_numel * sp.shard.element_size() for sp in sharded)
+        shard_bytes = 2 * sum(sp.shard_numel * sp.itemsize for sp in sharded)
         return resolve_window(
             self.config,
             units,
@@ -394,6 +402,7 @@ class ParamCoordinator:
         self._make_available(params, index, at, traced)
         if traced:
             self._prefetch(position, at)
+            self.read_ahead(position)
 
     def release_sub_module(self, module: nn.Module, *, backward_follows: bool = False) -> None:
         """Release the module's parameters, keeping those the trace uses again within
@@ -693,7 +702,7 @@ class ParamCoordinator:
             if total + sp.numel > budget:
                 break
             if room is not None:
-                room -= sp.numel * sp.shard.element_size()
+                room -= sp.numel * sp.itemsize
                 if room < 0:
                     break
             chosen[sp.index] = (sp, entry_position)
@@ -704,6 +713,18 @@ class ParamCoordinator:
         ]
         if handles and self.config.overlap_comm:
             self._inflight.append(handles)
+
+    def read_ahead(self, position: int) -> None:
+        """Start reading offloaded shards (``offload_param``) that the trace gathers
+        after fetch ``position`` (-1: from the step's start), past what is gathered or
+        in flight already; the shard home bounds how many reads are in flight.
+        """
+        home, trace = self.shard_home, self.trace
+        if home is None or trace.state is not TraceState.COMPLETE or self.diverged:
+            return
+        order = trace.param_order
+        start = trace.first_entry_at[min(position + 1, len(trace.first_entry_at) - 1)]
+        home.read_ahead(sp for _, sp in order[start:] if sp.status is ParamStatus.NOT_AVAILABLE)
 
     def _chunks(
         self, chosen: list[tuple[ShardedParam, int]]
@@ -743,7 +764,7 @@ class ParamCoordinator:
             free_full(sp.param, self.pool)
             sp.set_status(ParamStatus.NOT_AVAILABLE)
             self.live_numel -= sp.numel
-            self.live_bytes -= sp.numel * sp.shard.element_size()
+            self.live_bytes -= sp.numel * sp.itemsize
         self._prefetched.discard(sp.index)
 
     def _keep_edit(self, sp: ShardedParam) -> None:

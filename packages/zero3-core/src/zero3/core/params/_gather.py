@@ -18,7 +18,14 @@ import torch
 
 from zero3.comm import CommBackend, Stream, Work
 from zero3.core.diag._guard import FingerprintMismatchError
-from zero3.core.params._params import ParamStatus, ShardedParam, fill_full, free_full
+from zero3.core.params._params import (
+    ParamOffloadError,
+    ParamStatus,
+    ShardedParam,
+    ShardReadError,
+    fill_full,
+    free_full,
+)
 from zero3.core.params._pool import BufferPool
 
 __all__ = [
@@ -31,6 +38,7 @@ __all__ = [
 FINGERPRINT_BYTES = 16
 _ALIGN = 16
 _MAGIC = 0x5A335A33  # "Z3Z3"
+_READ_FAILED = 0x5A334552  # "Z3ER": the rank could not read an offloaded shard back
 
 
 def _align(n: int) -> int:
@@ -55,7 +63,7 @@ class GatherLayout:
         offsets, cursor = [], 0
         for sp in params:
             offsets.append(cursor)
-            cursor = _align(cursor + sp.shard_numel * sp.shard.element_size())
+            cursor = _align(cursor + sp.shard_numel * sp.itemsize)
         indices = [sp.index for sp in params]
         return cls(
             params=tuple(params),
@@ -65,9 +73,21 @@ class GatherLayout:
         )
 
     @property
+    def offloaded(self) -> bool:
+        """Whether any of the parameters has its shard offloaded (``offload_param``)."""
+        return any(sp.home is not None for sp in self.params)
+
+    def read_failed_print(self, module_index: int, param_index: int) -> torch.Tensor:
+        """The fingerprint of a chunk this rank could not fill: an offloaded shard
+        (``param_index``) failed to read back.
+        """
+        words = [_READ_FAILED, module_index, param_index, self.chunk_bytes & 0x7FFFFFFF]
+        return torch.tensor(words, dtype=torch.int32).view(torch.uint8).to(self.params[0].device)
+
+    @property
     def payload_bytes(self) -> int:
         """Real parameter bytes the gather delivers."""
-        return sum(sp.numel * sp.shard.element_size() for sp in self.params)
+        return sum(sp.numel * sp.itemsize for sp in self.params)
 
     def fingerprint(self, module_index: int) -> torch.Tensor:
         """The 16 fingerprint bytes for a gather requested by ``module_index``."""
@@ -131,17 +151,34 @@ class GatherHandle:
         self.prints: torch.Tensor | None = None
         self._describe = describe
         self._world = comm.world_size
-        device = layout.params[0].shard.device
+        device = layout.params[0].device
         self._pool = pool
         self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
         # Pack straight into this rank's own chunk of the receive buffer and gather in
         # place: no separate send buffer, one copy less.
         send = self._recv.view(self._world, layout.chunk_bytes)[comm.rank]
+        #: This rank's failure to read an offloaded shard back (it sends zeros and an
+        #: "I/O failed" fingerprint instead, so every rank raises at finish).
+        self.read_error: ShardReadError | None = None
+        failed = -1
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
-            nbytes = sp.shard_numel * sp.shard.element_size()
-            send[offset : offset + nbytes].copy_(sp.shard.view(torch.uint8))
+            nbytes = sp.shard_numel * sp.itemsize
+            try:
+                shard = sp.shard
+            except ShardReadError as exc:
+                self.read_error, failed = self.read_error or exc, sp.index
+                send[offset : offset + nbytes].zero_()
+            else:
+                send[offset : offset + nbytes].copy_(shard.view(torch.uint8))
+                if sp.home is not None:
+                    sp.home.drop(sp)  # packed: the gathered copy is what is used now
             sp.set_status(ParamStatus.INFLIGHT)
-        send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
+        if self.read_error is not None:
+            send[-FINGERPRINT_BYTES:].copy_(layout.read_failed_print(module_index, failed))
+        else:
+            send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
+        if layout.offloaded:
+            self.verify = "now"  # a rank that could not read its shard stops every rank here
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
@@ -194,6 +231,7 @@ def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int
         mine = handle.layout.fingerprint(handle.module_index).view(torch.int32)
         if bool((rows == mine).all()):
             continue
+        _raise_read_failures(handle, rows.tolist(), describe)
         lines = []
         for rank, words in enumerate(rows.tolist()):
             if words[0] != _MAGIC:
@@ -204,10 +242,7 @@ def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int
                     f"{words[3]} bytes per rank)"
                 )
             lines.append(f"  rank {rank}: {text}")
-        for sp in handle.layout.params:  # leave nothing half-gathered behind
-            if sp.status is not ParamStatus.NOT_AVAILABLE:
-                free_full(sp.param)
-            sp.set_status(ParamStatus.NOT_AVAILABLE)
+        _release_all(handle)
         raise FingerprintMismatchError(
             "zero3: ranks gathered different parameters in the same collective:\n"
             + "\n".join(lines)
@@ -218,10 +253,37 @@ def verify_fingerprints(handles: Sequence[GatherHandle], describe: Callable[[int
         )
 
 
+def _release_all(handle: GatherHandle) -> None:
+    for sp in handle.layout.params:  # leave nothing half-gathered behind
+        if sp.status is not ParamStatus.NOT_AVAILABLE:
+            free_full(sp.param)
+        sp.set_status(ParamStatus.NOT_AVAILABLE)
+
+
+def _raise_read_failures(
+    handle: GatherHandle, rows: list[list[int]], describe: Callable[[int], str]
+) -> None:
+    """Raise on every rank if some rank could not read an offloaded shard back."""
+    failed = [(rank, words[2]) for rank, words in enumerate(rows) if words[0] == _READ_FAILED]
+    if not failed:
+        return
+    names = {sp.index: sp.name for sp in handle.layout.params}
+    what = ", ".join(f"rank {rank} ({names.get(index, '?')!r})" for rank, index in failed)
+    _release_all(handle)
+    own = f" This rank's error: {handle.read_error}" if handle.read_error is not None else ""
+    raise ParamOffloadError(
+        f"zero3: offload_param: {what} could not read its parameter shard back from its "
+        f"swap file for the gather of module {describe(handle.module_index)!r} (step "
+        f"{handle.step}); every rank stops at this gather, nothing was computed with the "
+        f"missing values.{own} The failing rank's error names the file: check the disk "
+        "under offload_param.nvme_path (a removed, truncated or unreadable swap file)."
+    ) from handle.read_error
+
+
 def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int, pool: BufferPool) -> None:
     """Copy every rank's shard of ``sp`` from the gathered bytes into its full storage."""
     param, s, n = sp.param, sp.shard_numel, sp.numel
-    elem = sp.shard.element_size()
+    elem = sp.itemsize
     shards = recv[:, offset : offset + s * elem].view(param.dtype) if n else recv[:, :0]
     rows, rem = divmod(n, s) if s else (0, 0)
 

@@ -70,8 +70,11 @@ if TYPE_CHECKING:
 __all__ = [
     "METADATA_OPS",
     "GradHolder",
+    "ParamOffloadError",
     "ParamStatus",
     "ReleasedParameter",
+    "ShardHome",
+    "ShardReadError",
     "ShardedParam",
     "ShardedParameter",
     "dress_released",
@@ -113,6 +116,52 @@ class GradHolder(Protocol):
         ...
 
 
+class ParamOffloadError(RuntimeError):
+    """Offloaded parameter shards could not be stored or read back (``offload_param``;
+    raised on every rank).
+    """
+
+
+class ShardReadError(RuntimeError):
+    """An offloaded parameter shard could not be read back (names the file)."""
+
+
+class ShardHome(Protocol):
+    """Where a parameter's shard lives between uses when ``offload_param`` moves it out
+    of memory (the model state's parameter swap).
+
+    Note (a shard read on demand):
+        Every reader of :attr:`zero3.core.engine.ShardedParam.shard` gets the values:
+        an out shard is read back first (:meth:`bring_in`) and stays resident until
+        the home drops it again (after the gather that packed it, after an optimizer
+        step writes it, or when the model state settles the shards), so code that
+        reads shards outside the hot path needs no knowledge of offload. The gather path reads ahead in trace order
+        so that it rarely waits. An in-place edit of a resident shard moves its version
+        counter, and the home writes it back before dropping it.
+    """
+
+    def bring_in(self, sp: ShardedParam) -> torch.Tensor:
+        """Read ``sp``'s shard back (or take a read already under way); it is resident
+        until dropped. Raises :class:`ShardReadError` naming the file.
+        """
+        ...
+
+    def drop(self, sp: ShardedParam) -> None:
+        """Let a resident shard go (written back first if it was edited in place)."""
+        ...
+
+    def read_ahead(self, upcoming: Iterable[ShardedParam]) -> None:
+        """Start reading the shards of ``upcoming`` (in gather order), within a bound."""
+        ...
+
+    def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
+        """Set this rank's real elements of ``sp`` to ``values`` on disk (the shard is
+        not resident afterwards). ``edit``: the values come from outside the optimizer
+        (a load, ``gathered_parameters``), which the optimizer's masters must take.
+        """
+        ...
+
+
 @dataclasses.dataclass(eq=False)
 class ShardedParam:
     """Partitioned state of one parameter (zero3's side table, no tensor attributes).
@@ -125,8 +174,6 @@ class ShardedParam:
         numel: Full number of elements.
         shard_numel: Elements per rank (the numel padded to a multiple of the world size,
             divided by it).
-        shard: This rank's flat shard, ``shard_numel`` elements (padding at the end of
-            the last ranks' shards is zero).
         persistent: Stays whole on every rank (small parameters).
         rank: This process's rank in the sharding group.
         world_size: Ranks in the sharding group.
@@ -145,6 +192,8 @@ class ShardedParam:
             (zero3's own fills and writes never move it).
         grads: Where its gradients go, asked when ``param.grad`` is read (None: not
             trainable when sharded, or not wired yet).
+        home: Where its shard lives between uses when ``offload_param`` moves it out of
+            memory (None: always resident).
     """
 
     index: int
@@ -153,7 +202,7 @@ class ShardedParam:
     shape: torch.Size
     numel: int
     shard_numel: int
-    shard: torch.Tensor
+    _shard: torch.Tensor
     persistent: bool
     rank: int
     world_size: int
@@ -165,6 +214,41 @@ class ShardedParam:
     master: torch.Tensor | None = None
     version: int = 0
     grads: GradHolder | None = dataclasses.field(default=None, repr=False)
+    home: ShardHome | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's flat shard, ``shard_numel`` elements (padding at the end of the
+        last ranks' shards is zero); with a :attr:`home` it is read back first where
+        ``offload_param`` keeps it out (see :class:`~zero3.core.params._params.ShardHome`).
+        """
+        if self.home is not None and self._shard.numel() != self.shard_numel:
+            return self.home.bring_in(self)
+        return self._shard
+
+    @shard.setter
+    def shard(self, value: torch.Tensor) -> None:
+        self._shard = value
+
+    @property
+    def held_shard(self) -> torch.Tensor:
+        """The shard tensor as held now, never read back (empty while offloaded)."""
+        return self._shard
+
+    @property
+    def resident(self) -> bool:
+        """Whether the shard is in memory now (always, without a :attr:`home`)."""
+        return self.home is None or self._shard.numel() == self.shard_numel
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shard lives when resident (the parameter's device)."""
+        return self.param.device
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the parameter and its shard."""
+        return self.param.dtype.itemsize
 
     @property
     def status(self) -> ParamStatus:
@@ -216,12 +300,19 @@ class ShardedParam:
         """Whether the parameter trains."""
         return self.param.requires_grad
 
-    def write_local(self, values: torch.Tensor, *, masters: bool = True) -> None:
+    def write_local(
+        self, values: torch.Tensor, *, masters: bool = True, stepped: bool = False
+    ) -> None:
         """Set this rank's real elements: the shard, and (``masters``) the fp32 master if
-        an optimizer keeps one apart. The whole parameter is not touched.
+        an optimizer keeps one apart. The whole parameter is not touched. ``stepped``:
+        the values are the optimizer's own stepped masters (an offloaded shard then
+        needs no "edited" mark for the optimizer to take).
         """
         with torch.no_grad():
-            self.shard[: values.numel()].copy_(values)
+            if self.home is not None and values.numel() == self.local_numel:
+                self.home.write(self, values, edit=not stepped)
+            else:
+                self.shard[: values.numel()].copy_(values)
             if masters and self.master is not None:
                 self.master.copy_(values)
 

@@ -121,5 +121,5 @@ def load_full_state_dict(
             if sp is None:
                 target.copy_(value)
                 continue
-            state.write_full(sp, value.reshape(-1).to(device=sp.shard.device, dtype=sp.dtype))
+            state.write_full(sp, value.reshape(-1).to(device=sp.device, dtype=sp.dtype))
     return result

@@ -180,7 +180,18 @@ def _entry(tensor: torch.Tensor) -> Any:
     sp = lookup(tensor)
     if sp is None or sp.persistent:
         return tensor.detach()
-    return sharded_like(sp, sp.shard[: sp.local_numel])
+    return sharded_like(sp, _local_values(sp))
+
+
+def _local_values(sp: ShardedParam) -> torch.Tensor:
+    """This rank's real elements of ``sp``: a view of its shard, or of the values read
+    back for the state dict alone where ``offload_param`` keeps the shard out (the model
+    lets them go at once, so a state dict of an offloaded model holds the only copy).
+    """
+    values = sp.shard[: sp.local_numel]
+    if sp.home is not None:
+        sp.home.drop(sp)
+    return values
 
 
 def load_sharded_state_dict(
@@ -244,7 +255,7 @@ def _load_entry(
                 f"load_sharded_state_dict: {key!r} has shape {tuple(value.shape)} in the state "
                 f"dict but {tuple(sp.shape)} in the model"
             )
-        flat = value.detach().reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
+        flat = value.detach().reshape(-1).to(device=sp.device, dtype=sp.dtype)
         state.write_full(sp, flat, masters=masters)
         return
     if whole:
@@ -282,7 +293,7 @@ def finish_module_state_dict(
         elif sp.requires_grad:
             trainable.setdefault(sp.index, (sp, []))[1].append(key)
         else:
-            destination[key] = sharded_like(sp, sp.shard[: sp.local_numel])
+            destination[key] = sharded_like(sp, _local_values(sp))
     wanted = [sp for sp, _ in trainable.values()]
     for piece in chunks(wanted, max(1, state.window.prefetch_numel)):
         state.pin(piece)
@@ -314,5 +325,5 @@ def load_module_entry(state: ShardedModelState, key: str, sp: ShardedParam, valu
                 f"load_state_dict: {key!r} is {got} in the state dict but {tuple(sp.shape)} "
                 "in the model"
             )
-        flat = value.detach().reshape(-1).to(device=sp.shard.device, dtype=sp.dtype)
+        flat = value.detach().reshape(-1).to(device=sp.device, dtype=sp.dtype)
         state.write_full(sp, flat)

@@ -1,0 +1,408 @@
+"""Parameter offload (``offload_param: nvme``): parameter shards on disk between uses.
+
+Note (how a shard moves):
+    Each rank has one swap file for this run, with a page-aligned region per offloaded
+    shard. Between uses a shard's tensor is empty, so host memory holds none of it. A
+    gather needs the shard only while it packs it into its send chunk: the coordinator
+    reads shards ahead in trace order (at most ``buffer_count`` reads in flight, on
+    the I/O threads) and the gather drops the shard as soon as it is packed. An
+    optimizer step writes the stepped values straight to the file; the writes are
+    complete, and every rank has agreed that they succeeded, when the step's commit
+    returns. Any other reader of a shard (a state dict, a merge of in-place edits, a
+    checkpoint) reads it on demand (:class:`~zero3.core.params._params.ShardHome`).
+
+    A read that fails inside a gather does not leave the other ranks waiting: the rank
+    sends its chunk with an "I/O failed" fingerprint and every rank raises at that
+    gather's finish, naming the rank and the parameter (gathers of offloaded shards
+    check their fingerprints at once).
+
+    ``max_in_cpu`` keeps the first shards (parameter order) up to that many elements in
+    memory for good; DeepSpeed's default (10⁹) keeps every shard of a model with fewer
+    elements per rank in memory, which is logged at setup with the count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from zero3.comm import ReduceOp
+from zero3.core.config._offload import AioConfig, OffloadParamConfig
+from zero3.core.files._swap import (
+    AlignedBuffer,
+    IOPool,
+    SwapError,
+    SwapFile,
+    check_free_space,
+    make_swap_dir,
+    round_up,
+)
+from zero3.core.params._params import ParamOffloadError, ShardedParam, ShardReadError
+
+__all__ = ["ParamSwap", "ParamSwapStats", "raise_if_any_rank_failed", "say_once"]
+
+_log = logging.getLogger("zero3.core")
+_MAX_MESSAGE = 1024  # bytes of a failing rank's message shared with the others
+
+AllReduce = Callable[[torch.Tensor, ReduceOp], None]
+
+
+@functools.cache
+def say_once(message: str) -> None:
+    """Log ``message`` at INFO once per process."""
+    _log.info(message)
+
+
+def raise_if_any_rank_failed(
+    all_reduce: AllReduce,
+    rank: int,
+    device: torch.device,
+    error: BaseException | None,
+    make: Callable[[str], BaseException],
+) -> None:
+    """Every rank raises ``make(message)`` if any rank passes an error (a collective:
+    two small all-reduces when one failed, one otherwise). The message is the lowest
+    failing rank's, prefixed with its rank by ``make``'s caller.
+    """
+    flag = torch.tensor([rank + 1.0 if error is not None else 0.0], device=device)
+    all_reduce(flag, ReduceOp.MAX)
+    failed = int(flag.item()) - 1
+    if failed < 0:
+        return
+    text = str(error).encode()[:_MAX_MESSAGE] if failed == rank else b""
+    codes = torch.zeros(_MAX_MESSAGE, dtype=torch.float32, device=device)
+    if text:
+        codes[: len(text)] = torch.tensor(list(text), dtype=torch.float32)
+    all_reduce(codes, ReduceOp.SUM)
+    message = bytes(int(c) for c in codes.tolist() if c).decode(errors="replace")
+    raise make(f"rank {failed}: {message}") from error
+
+
+@dataclasses.dataclass
+class ParamSwapStats:
+    """What parameter offload moved and waited for (this rank, since the last reset).
+
+    Attributes:
+        read_bytes: Bytes read from the swap file.
+        read_ahead_bytes: Of those, bytes read ahead of the gather that needed them.
+        written_bytes: Bytes written (stepped values, edits).
+        io_wait_s: Seconds the model waited for a read or a write.
+    """
+
+    read_bytes: int = 0
+    read_ahead_bytes: int = 0
+    written_bytes: int = 0
+    io_wait_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    offset: int
+    nbytes: int  # the shard's bytes (shard_numel elements)
+
+
+class ParamSwap:
+    """This rank's offloaded parameter shards and their swap file (a ``ShardHome``).
+
+    Made by the model state when ``offload_param.device`` is ``"nvme"``.
+
+    Args:
+        params: The model's sharded parameters (persistent ones and a world of one's
+            stay in memory).
+        config: The ``offload_param`` section.
+        aio: How the file is read and written.
+        rank: This rank (names the directory).
+        all_reduce: The model's small all-reduce (agreeing on write errors).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[ShardedParam],
+        config: OffloadParamConfig,
+        aio: AioConfig,
+        rank: int,
+        all_reduce: AllReduce,
+    ) -> None:
+        self.config = config
+        self.stats = ParamSwapStats()
+        self._rank = rank
+        self._all_reduce = all_reduce
+        self._regions: dict[int, _Region] = {}
+        self._reads: dict[int, Future[AlignedBuffer]] = {}
+        self._read_numel: dict[int, int] = {}  # elements of each read ahead
+        self._writes: dict[int, Future[None]] = {}
+        self._resident: dict[int, tuple[ShardedParam, int]] = {}  # index -> (sp, version)
+        self._edited: set[int] = set()
+        self._write_error: BaseException | None = None
+        candidates = [sp for sp in params if not sp.persistent and not sp.aliases_param]
+        self.kept_numel = 0
+        chosen = []
+        for sp in candidates:
+            if self.kept_numel + sp.shard_numel <= config.max_in_cpu:
+                self.kept_numel += sp.shard_numel
+            else:
+                chosen.append(sp)
+        self.params = chosen
+        self._dir, stale = make_swap_dir(Path(str(config.nvme_path)), "params", rank)
+        if stale:
+            _log.warning(
+                "zero3: rank %d found swap directories of runs that are no longer alive "
+                "under %s (not ours, left alone; remove them to free the space): %s",
+                rank, config.nvme_path, ", ".join(str(p) for p in stale),
+            )  # fmt: skip
+        cursor = 0
+        for sp in chosen:
+            nbytes = sp.shard_numel * sp.itemsize
+            self._regions[sp.index] = _Region(cursor, nbytes)
+            cursor += round_up(nbytes)
+        self.file_bytes = cursor
+        self._pool = IOPool(aio.thread_count, name=f"zero3-param-io-r{rank}")
+        # The file goes when this object does, or at exit (also after an error).
+        self._files = _Files(self._dir, self._pool)
+        weakref.finalize(self, self._files.remove)
+        check_free_space(self._dir, cursor, f"rank {rank}'s offloaded parameter shards")
+        self._file = SwapFile(self._dir / "params.swp", direct=aio.use_direct_io,
+                              block_size=aio.block_size)  # fmt: skip
+        self._files.file = self._file
+        if cursor:
+            self._file.reserve(cursor)
+        for sp in chosen:
+            self._write_now(sp, sp._shard)
+            sp.home = self
+            sp.shard = _empty(sp)
+
+    # -- what is where ----------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """This rank's swap file."""
+        return self._file.path
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether the swap file is read and written with ``O_DIRECT``."""
+        return self._file.direct
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of shards that are only in the swap file now."""
+        return sum(self._regions[sp.index].nbytes for sp in self.params if not sp.resident)
+
+    def offloaded_numel(self) -> int:
+        """Shard elements that are only in the swap file now."""
+        return sum(sp.shard_numel for sp in self.params if not sp.resident)
+
+    def edited(self, sp: ShardedParam) -> bool:
+        """Whether ``sp``'s shard was set from outside the optimizer since it last took
+        it (:meth:`took_edit` clears it).
+        """
+        return sp.index in self._edited
+
+    def took_edit(self, sp: ShardedParam) -> None:
+        """The optimizer's master of ``sp`` took the shard's edited values."""
+        self._edited.discard(sp.index)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _read(self, sp: ShardedParam) -> AlignedBuffer:
+        region = self._regions[sp.index]
+        buf = AlignedBuffer(region.nbytes)
+        self._file.read(buf, region.nbytes, offset=region.offset)
+        return buf
+
+    def _submit_read(self, sp: ShardedParam) -> Future[AlignedBuffer]:
+        pending = self._writes.pop(sp.index, None)
+        if pending is not None:  # read what was written, never the older bytes
+            self._wait(pending)  # a failed write raises here: never stale values
+        return self._pool.submit(functools.partial(self._read, sp))
+
+    def read_ahead(self, upcoming: Iterable[ShardedParam]) -> None:
+        """Start reading the shards of ``upcoming`` (in the order they will be
+        gathered) until ``buffer_count`` reads are in flight.
+        """
+        budget = self.config.buffer_count - len(self._reads)
+        # ... and (DeepSpeed's buffer_size) at most buffer_count x buffer_size elements.
+        room = self.config.buffer_count * self.config.buffer_size - self._reading_numel()
+        for sp in upcoming:
+            if budget <= 0:
+                break
+            if sp.home is not self or sp.resident or sp.index in self._reads:
+                continue
+            if sp.index in self._writes:  # bring_in waits for the write (and its error)
+                continue
+            if sp.shard_numel > room and self._reads:
+                break
+            self._reads[sp.index] = self._submit_read(sp)
+            self._read_numel[sp.index] = sp.shard_numel
+            self.stats.read_ahead_bytes += self._regions[sp.index].nbytes
+            budget -= 1
+            room -= sp.shard_numel
+
+    def _reading_numel(self) -> int:
+        return sum(self._read_numel.get(i, 0) for i in self._reads)
+
+    def bring_in(self, sp: ShardedParam) -> torch.Tensor:
+        """Read ``sp``'s shard back (see the ShardHome protocol)."""
+        future = self._reads.pop(sp.index, None)
+        try:
+            if future is None:
+                future = self._submit_read(sp)
+            buf = self._wait_read(future)
+        except SwapError as exc:
+            raise ShardReadError(
+                f"zero3: offload_param: cannot read the shard of parameter {sp.name!r} back: {exc}"
+            ) from exc
+        region = self._regions[sp.index]
+        self.stats.read_bytes += region.nbytes
+        tensor = buf.tensor[: region.nbytes].view(sp.param.dtype)
+        sp.shard = tensor
+        self._resident[sp.index] = (sp, tensor._version)
+        return tensor
+
+    def _wait_read(self, future: Future[AlignedBuffer]) -> AlignedBuffer:
+        begin = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.stats.io_wait_s += time.perf_counter() - begin
+
+    def _wait(self, future: Future[AlignedBuffer] | Future[None]) -> object:
+        begin = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self.stats.io_wait_s += time.perf_counter() - begin
+
+    # -- dropping and writing -------------------------------------------------------------------
+
+    def drop(self, sp: ShardedParam) -> None:
+        """Let a resident shard go, writing it back first if it was edited in place."""
+        entry = self._resident.pop(sp.index, None)
+        if entry is None:
+            return
+        tensor = sp._shard
+        if tensor._version != entry[1]:
+            self._edited.add(sp.index)
+            self._queue_write(sp, tensor)
+        sp.shard = _empty(sp)
+
+    def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
+        """Write this rank's real elements of ``sp`` (``local_numel`` values) to disk."""
+        self._resident.pop(sp.index, None)
+        region = self._regions[sp.index]
+        buf = AlignedBuffer(region.nbytes)
+        shard = buf.tensor[: region.nbytes].view(sp.param.dtype)
+        shard[: values.numel()].copy_(values.reshape(-1))  # the padding stays zero
+        sp.shard = _empty(sp)
+        if edit:
+            self._edited.add(sp.index)
+        self._queue_write(sp, shard, buf)
+
+    def _queue_write(
+        self, sp: ShardedParam, shard: torch.Tensor, buf: AlignedBuffer | None = None
+    ) -> None:
+        if buf is None:
+            buf = AlignedBuffer(self._regions[sp.index].nbytes)
+            buf.tensor[: shard.numel() * sp.itemsize].view(sp.param.dtype).copy_(shard)
+        stale = self._reads.pop(sp.index, None)
+        if stale is not None:  # a read ahead of older bytes: let it finish, drop it
+            self._wait_quietly(stale)
+        pending = self._writes.pop(sp.index, None)
+        if pending is not None:
+            self._wait_quietly(pending)
+        region = self._regions[sp.index]
+        self._writes[sp.index] = self._pool.submit(functools.partial(self._write, region, buf))
+        self.stats.written_bytes += region.nbytes
+
+    def _write(self, region: _Region, buf: AlignedBuffer) -> None:
+        self._file.write(buf, region.nbytes, offset=region.offset)
+
+    def _write_now(self, sp: ShardedParam, shard: torch.Tensor) -> None:
+        region = self._regions[sp.index]
+        buf = AlignedBuffer(region.nbytes)
+        buf.tensor[: region.nbytes].view(sp.param.dtype).copy_(shard.reshape(-1))
+        self._write(region, buf)
+
+    def _wait_quietly(self, future: Future[AlignedBuffer] | Future[None]) -> None:
+        try:
+            self._wait(future)
+        except SwapError as exc:
+            self._write_error = self._write_error or exc
+
+    def flush(self) -> BaseException | None:
+        """Wait for every queued write; returns the first error (None: all on disk)."""
+        writes, self._writes = self._writes, {}
+        for future in writes.values():
+            self._wait_quietly(future)
+        error, self._write_error = self._write_error, None
+        return error
+
+    def settle(self, device: torch.device, *, agree: bool = True) -> None:
+        """Drop every resident shard (writing back edited ones) and wait for the writes;
+        with ``agree`` (a collective) every rank raises if any rank's writes failed.
+        """
+        for sp, _ in list(self._resident.values()):
+            self.drop(sp)
+        error = self.flush()
+        if agree:
+            raise_if_any_rank_failed(self._all_reduce, self._rank, device, error, _offload_error)
+        elif error is not None:
+            raise _offload_error(f"rank {self._rank}: {error}") from error
+
+    def check_file(self) -> None:
+        """Raise :class:`~zero3.core.params._params.ShardReadError` unless the swap file
+        is still whole.
+        """
+        try:
+            self._file.check(self.file_bytes)
+        except SwapError as exc:
+            raise ShardReadError(f"zero3: offload_param: {exc}") from exc
+
+    def close(self) -> None:
+        """Remove the swap file and stop the I/O threads (the model is unsharded: every
+        shard is read back into memory first).
+        """
+        self.flush()
+        for sp in self.params:
+            if sp.home is self:
+                values = sp.shard
+                sp.home = None
+                sp.shard = values.clone()
+        self._resident.clear()
+        self._files.remove()
+
+
+def _empty(sp: ShardedParam) -> torch.Tensor:
+    return torch.empty(0, dtype=sp.param.dtype, device=sp.param.device)
+
+
+def _offload_error(message: str) -> ParamOffloadError:
+    return ParamOffloadError(f"zero3: parameter offload failed on {message}")
+
+
+class _Files:
+    """The swap directory, file and I/O threads of one ParamSwap (removed once)."""
+
+    def __init__(self, directory: Path, pool: IOPool) -> None:
+        self.directory = directory
+        self.pool = pool
+        self.file: SwapFile | None = None
+        self._removed = False
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        self.pool.close()
+        if self.file is not None:
+            self.file.close(unlink=True)
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()

@@ -1,0 +1,326 @@
+"""Parameter offload (``offload_param: nvme``) trains exactly as in-memory zero3.
+
+Each case trains two sharded copies of one model side by side in every worker: one in
+memory, one with its parameter shards in a swap file (and, in the "both" cases, its
+optimizer state too), and compares the parameter shards bit for bit after every step.
+The swap file is asserted to have been read (most of it ahead of the gathers) and
+written, its pages not to be in the page cache, and memory_stats to count the shards
+there rather than in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from zero3.comm import GlooBackend
+from zero3.core import ParamOffloadError, Zero3Config, local_grad
+from zero3.core.engine import resident_pages, sharded_state
+from zero3.hooks import full_state_dict, memory_stats, shard_module, stats
+from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
+from zero3.testing.models import build, loss_of
+
+pytestmark = pytest.mark.multirank
+
+LOCAL = 2
+STEPS = 3
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+}
+
+# (optimizer, param_dtype, optimizer offload too, accumulate, clip, overflow at step)
+CASES: dict[str, tuple[str, str | None, bool, int, float | None, int | None]] = {
+    "adamw-fp32": ("adamw", None, False, 1, None, None),
+    "adamw-fp32-both": ("adamw", None, True, 1, None, None),
+    "adagrad-bf16-both": ("adagrad", "bf16", True, 1, None, None),
+    "sgd-accumulate-clip": ("sgd-momentum", None, False, 2, 0.05, None),
+    "adamw-fp16-overflow-both": ("adamw", "fp16", True, 1, None, 1),
+}
+
+
+def _offload_config(root: str, both: bool, **base: Any) -> Zero3Config:
+    param = {"device": "nvme", "nvme_path": root, "buffer_count": 3, "max_in_cpu": 0}
+    extra: dict[str, Any] = {"offload_param": param}
+    if both:
+        extra["offload_optimizer"] = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
+        extra["sub_group_size"] = 700
+    return Zero3Config(**base, **extra)
+
+
+def _pair(case: str, root: str) -> dict[str, Any]:
+    """Train in-memory and offloaded copies side by side; compare after every step."""
+    name, dtype, both, accumulate, clip, overflow_at = CASES[case]
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    model, make = build("gpt_tied")
+    twin = copy.deepcopy(model)
+    # A prefetch window a fraction of the model (as on a model too big for memory), so
+    # the gathers and the reads ahead of them move through it.
+    base = dict(param_persistence_threshold=0, gradient_clipping=clip, param_dtype=dtype,
+                initial_scale_power=8, prefetch_bucket_size=2000)  # fmt: skip
+    shard_module(model, Zero3Config(**base), comm=comm)
+    shard_module(twin, _offload_config(root, both, **base), comm=comm)
+    swap = sharded_state(twin).param_swap
+    cls, kwargs = OPTIMIZERS[name]
+    opts = [PartitionedOptimizer(m, cls, **kwargs) for m in (model, twin)]
+    diffs, losses = [], []
+    read = ahead = 0  # of the gathers from the second step on (the first has no trace)
+    for step in range(STEPS):
+        before = (swap.stats.read_bytes, swap.stats.read_ahead_bytes) if swap else (0, 0)
+        for m, opt in zip((model, twin), opts, strict=True):
+            for micro in range(accumulate):
+                x = make(LOCAL * n, step * 10 + micro)
+                loss = loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])) / accumulate
+                opt.scale_loss(loss).backward()
+                losses.append(float(loss))
+            if step == overflow_at and r == 0:
+                local_grad(next(iter(m.parameters())))[0] = float("inf")
+            opt.step()
+            opt.zero_grad()
+        if swap is not None and step > 0:
+            read += swap.stats.read_bytes - before[0]
+            ahead += swap.stats.read_ahead_bytes - before[1]
+        pairs = zip(sharded_state(model).params, sharded_state(twin).params, strict=True)
+        diffs.append(sum(int((a.shard != b.shard).sum()) for a, b in pairs))
+        for sp in sharded_state(twin).params:  # comparing read them back: let them go
+            if sp.home is not None:
+                sp.home.drop(sp)
+    result: dict[str, Any] = {"diffs": diffs, "losses": losses, "swap": swap is not None}
+    if swap is None:
+        for opt in opts:
+            if opt.offload is not None:
+                opt.offload.close()
+        return result
+    # What memory_stats says (before anything more is read back).
+    inside, outside = memory_stats(model, opts[0]), memory_stats(twin, opts[1])
+    result.update(
+        shard_bytes=sum(sp.shard_numel * sp.itemsize for sp in sharded_state(model).params),
+        nvme_param=outside.nvme_param_bytes,
+        param_in_memory=outside.param_bytes,
+        unsharded=(inside.unsharded_bytes, outside.unsharded_bytes),
+        read=read,
+        ahead=ahead,
+        written=swap.stats.written_bytes,
+        resident=resident_pages(swap.path)[0],
+        direct=swap.direct_io,
+        gathers=stats(twin).gathers,
+        reductions=stats(twin).reduce_collectives,
+    )
+    directory = swap.path.parent
+    for opt in opts:
+        if opt.offload is not None:
+            opt.offload.close()
+    swap.close()
+    result["cleaned"] = not directory.exists()
+    return result
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_param_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_path):
+    group = worker_pool(world_size)
+    for case in CASES:
+        root = tmp_path / case
+        results = group.run(_pair, case, str(root))
+        for rank, res in enumerate(results):
+            assert res["diffs"] == [0] * STEPS, (case, rank, res)
+            if world_size == 1:  # a world of one: the shards are the parameters
+                assert not res["swap"], res
+                continue
+            assert res["swap"], res
+            assert res["gathers"] > 0 and res["reductions"] > 0, (case, res)
+            # Every step reads the shards back (forward and backward) and writes the
+            # stepped ones; most reads started ahead of the gather that used them.
+            assert res["read"] >= (STEPS - 1) * res["nvme_param"] > 0, (case, res)
+            assert res["ahead"] > res["read"] // 2, (case, res)
+            assert res["written"] > 0, (case, res)
+            assert res["direct"] and res["resident"] == 0, (case, res)
+            # The shards are counted in the swap file and not in memory.
+            assert res["nvme_param"] == res["shard_bytes"], (case, res)
+            assert res["param_in_memory"] == 0, (case, res)
+            assert res["unsharded"][0] == res["unsharded"][1], (case, res)
+            assert res["cleaned"], (case, res)
+        assert not any(root.glob("zero3-*")), case
+
+
+GLOBAL = 6  # samples per step: the same global batch at world 2 and 3
+
+
+def _train(model: torch.nn.Module, opt: PartitionedOptimizer, steps: range) -> None:
+    comm_rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    _, make = build("gpt_tied")
+    local = GLOBAL // world
+    for step in steps:
+        x = make(GLOBAL, step)
+        loss_of(model(x[comm_rank * local : (comm_rank + 1) * local])).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _model(
+    root: str, offloaded: bool, optimizer: str = "adamw"
+) -> tuple[torch.nn.Module, PartitionedOptimizer]:
+    comm = GlooBackend(timeout_s=30)
+    model, _ = build("gpt_tied")
+    base = dict(param_persistence_threshold=0)
+    config = _offload_config(root, True, **base) if offloaded else Zero3Config(**base)
+    shard_module(model, config, comm=comm)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    return model, PartitionedOptimizer(model, cls, **kwargs)
+
+
+def _save(root: str, directory: str, offloaded: bool, optimizer: str) -> dict[str, torch.Tensor]:
+    """Train 2 steps, save, train 1 more; the full weights after it."""
+    model, opt = _model(root, offloaded, optimizer)
+    _train(model, opt, range(2))
+    save_checkpoint(directory, model, opt)
+    _train(model, opt, range(2, 3))
+    return full_state_dict(model)
+
+
+def _resume(root: str, directory: str, offloaded: bool, optimizer: str) -> dict[str, torch.Tensor]:
+    """Load into a fresh model, train the third step; the full weights after it."""
+    model, opt = _model(root, offloaded, optimizer)
+    load_checkpoint(directory, model, opt)
+    _train(model, opt, range(2, 3))
+    swap = sharded_state(model).param_swap
+    assert (swap is not None) == offloaded
+    return full_state_dict(model)
+
+
+@pytest.mark.parametrize("save_offloaded", [True, False])
+def test_checkpoints_of_param_offloaded_models_resume_with_or_without_offload(
+    worker_pool, save_offloaded, tmp_path
+):
+    """Saved with offload, resumed without (and the other way round): at the same world
+    size bit for bit (AdamW); at another world size equal up to the reductions' order
+    (SGD with momentum: Adam's normalisation turns that rounding into 1e-3 on elements
+    whose gradient is nearly zero, with or without offload).
+    """
+    for optimizer, world, exact in (("adamw", 2, True), ("sgd-momentum", 3, False)):
+        ckpt, args = str(tmp_path / optimizer), (optimizer,)
+        saved = worker_pool(2).run(_save, str(tmp_path / "a"), ckpt, save_offloaded, *args)[0]
+        resumed = worker_pool(world).run(
+            _resume, str(tmp_path / "b"), ckpt, not save_offloaded, *args
+        )[0]
+        assert saved.keys() == resumed.keys()
+        for key in saved:
+            if exact:
+                assert torch.equal(resumed[key], saved[key]), key
+            else:
+                torch.testing.assert_close(resumed[key], saved[key], rtol=1e-5, atol=1e-6)
+
+
+def _two_models(root: str) -> list[int]:
+    """Two offloaded models in one process under one nvme_path keep apart."""
+    model, opt = _model(root, True)
+    other, other_opt = _model(root, True)
+    _train(model, opt, range(1))
+    _train(other, other_opt, range(1))
+    swaps = [sharded_state(m).param_swap for m in (model, other)]
+    assert swaps[0] is not None and swaps[1] is not None
+    assert swaps[0].path != swaps[1].path
+    return [s.stats.read_bytes for s in swaps]  # type: ignore[union-attr]
+
+
+def test_two_param_offloaded_models_of_one_process_share_a_path(worker_pool, tmp_path):
+    for reads in worker_pool(2).run(_two_models, str(tmp_path)):
+        assert all(r > 0 for r in reads), reads
+
+
+def _fault(kind: str, root: str) -> str:
+    """Break one rank's parameter swap file after a good step; return the next step's
+    error.
+    """
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    model, make = build("gpt_tied")
+    shard_module(model, _offload_config(root, False, param_persistence_threshold=0), comm=comm)
+    swap = sharded_state(model).param_swap
+    assert swap is not None
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(2):
+        if step == 1 and r == n - 1:
+            if kind == "truncated":
+                os.truncate(swap.path, 4096)
+            else:
+                os.truncate(swap.path, 0)
+        x = make(LOCAL * n, step)
+        try:
+            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            opt.step()
+        except ParamOffloadError as exc:
+            return str(exc)
+        opt.zero_grad()
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "emptied"])
+def test_a_broken_param_swap_file_on_one_rank_fails_every_rank(worker_pool, kind, tmp_path):
+    results = worker_pool(2).run(_fault, kind, str(tmp_path))
+    for text in results:
+        assert "rank 1" in text and "could not read its parameter shard back" in text, results
+    # The failing rank names its file.
+    assert "params.swp" in results[1] and "short read" in results[1], results
+
+
+def _bad_path(root: str) -> str:
+    comm = GlooBackend(timeout_s=30)
+    model, _ = build("gpt_tied")
+    if comm.rank == 1:
+        # A file stands where rank 1's own swap directory must go (its name holds the
+        # host, process id and rank), so only rank 1 cannot create it.
+        host = socket.gethostname().replace("-", "_")
+        Path(root).mkdir(parents=True, exist_ok=True)
+        (Path(root) / f"zero3-params-{host}-{os.getpid()}-rank1").write_text("in the way")
+    offload = {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}
+    config = Zero3Config(param_persistence_threshold=0, offload_param=offload)
+    try:
+        shard_module(model, config, comm=comm)
+    except ParamOffloadError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_unusable_param_swap_path_on_one_rank_fails_every_rank(worker_pool, tmp_path):
+    results = worker_pool(2).run(_bad_path, str(tmp_path))
+    assert results[0] == results[1], results
+    assert "parameter offload failed on rank 1" in results[0], results
+    assert "cannot create the swap directory" in results[0], results
+
+
+def _too_little_space(mount: str) -> str:
+    comm = GlooBackend(timeout_s=30)
+    model, _ = build("gpt_tied")
+    offload = {"device": "nvme", "nvme_path": mount, "max_in_cpu": 0}
+    config = Zero3Config(param_persistence_threshold=0, offload_param=offload)
+    try:
+        shard_module(model, config, comm=comm)
+    except ParamOffloadError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_too_little_space_for_the_shards_is_refused_at_shard_time(worker_pool):
+    mount = Path(tempfile.mkdtemp(prefix="zero3-small-"))
+    if os.system(f"mount -t tmpfs -o size=16k tmpfs {mount} 2>/dev/null") != 0:
+        os.rmdir(mount)
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        results = worker_pool(2).run(_too_little_space, str(mount))
+        assert results[0] == results[1], results
+        assert re.search(r"not enough free space .* bytes needed", results[0]), results
+        assert "offloaded parameter shards" in results[0], results
+    finally:
+        os.system(f"umount {mount}")
+        os.rmdir(mount)
