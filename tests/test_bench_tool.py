@@ -93,12 +93,12 @@ def test_bench_lora_trains_adapters_on_the_sharded_base_and_reduces_only_them():
     assert 0.45 < held / unsharded < 0.55, result.stdout
 
 
-def test_bench_offload_row_moves_the_optimizer_state_and_says_where_its_time_went(
+def test_bench_offload_row_moves_the_state_and_the_shards_and_says_where_its_time_went(
     tmp_path, monkeypatch
 ):
-    # One launch: the NVMe row, its swap files under a directory of the test's own.
+    # One launch: both offloads, the swap files under a directory of the test's own.
     monkeypatch.setenv("ZERO3_BENCH_SWAP", str(tmp_path))
-    result = _bench("--systems", "zero3-offload-nvme")
+    result = _bench("--systems", "zero3-offload-both")
     disk = re.search(
         rf"^swap directory {re.escape(str(tmp_path))}: write (\d+) MiB/s, read (\d+) MiB/s "
         r"\(256 MiB, 1 MiB requests, O_DIRECT\)",
@@ -106,12 +106,18 @@ def test_bench_offload_row_moves_the_optimizer_state_and_says_where_its_time_wen
         re.M,
     )
     assert disk and int(disk[1]) > 0 and int(disk[2]) > 0, result.stdout
-    row = next(x for x in result.stdout.splitlines() if x.startswith("| zero3-offload-nvme |"))
+    row = next(x for x in result.stdout.splitlines() if x.startswith("| zero3-offload-both |"))
     assert float(row.split("|")[-2]) < 1e-4, row  # the same losses as one process
-    walk = re.search(r"^zero3-offload-nvme: optimizer walk ([\d.]+) s per step, of it waiting on "
-                     r"I/O ([\d.]+) s \(\d+%\); read (\d+) MiB, written (\d+) MiB per step per "
-                     r"rank \(swap files, O_DIRECT\)", result.stdout, re.M)  # fmt: skip
+    walk = re.search(
+        r"^zero3-offload-both: optimizer walk ([\d.]+) s per step, of it waiting on I/O "
+        r"([\d.]+) s \(\d+%\); read (\d+) MiB, written (\d+) MiB per step per rank \(swap "
+        r"files, O_DIRECT\); parameter shards: (\d+) MiB in the swap file, read (\d+) MiB "
+        r"\((\d+) ahead of its gather\)",
+        result.stdout,
+        re.M,
+    )
     assert walk, result.stdout
     assert float(walk[1]) >= float(walk[2]) >= 0, walk[0]
     assert int(walk[3]) > 0 and int(walk[4]) > 0, walk[0]  # the state really moved
+    assert int(walk[5]) > 0 and int(walk[6]) >= int(walk[5]) and int(walk[7]) > 0, walk[0]
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # files removed

@@ -241,7 +241,7 @@ def main() -> None:
     )
     # The reference: one process on the whole global batch (world x 4 sequences).
     ref = launch("reference", 1, args, batch=4 * world, threads=os.cpu_count() or 1)["losses"]
-    if any("nvme" in n for n in names):
+    if any("nvme" in n or "offload-both" in n for n in names):
         disk = bandwidth(swap_dir())
         print(
             f"swap directory {swap_dir()}: write {disk['write_mib_s']:.0f} MiB/s, read "

@@ -224,13 +224,16 @@ class ParamSwap:
             self._wait(pending)  # a failed write raises here: never stale values
         return self._pool.submit(functools.partial(self._read, sp))
 
-    def read_ahead(self, upcoming: Iterable[ShardedParam]) -> None:
+    def read_ahead(self, upcoming: Iterable[ShardedParam], limit_numel: int) -> None:
         """Start reading the shards of ``upcoming`` (in the order they will be
-        gathered) until ``buffer_count`` reads are in flight.
+        gathered) until ``buffer_count`` reads are in flight, or ``limit_numel`` shard
+        elements (the gather window's share: read-ahead buffers obey the window as
+        gathered copies do), or ``buffer_count x buffer_size`` (DeepSpeed's bound).
+        One shard may always be read ahead.
         """
         budget = self.config.buffer_count - len(self._reads)
-        # ... and (DeepSpeed's buffer_size) at most buffer_count x buffer_size elements.
-        room = self.config.buffer_count * self.config.buffer_size - self._reading_numel()
+        bound = min(limit_numel, self.config.buffer_count * self.config.buffer_size)
+        room = bound - self._reading_numel()
         for sp in upcoming:
             if budget <= 0:
                 break
@@ -321,6 +324,10 @@ class ParamSwap:
         region = self._regions[sp.index]
         self._writes[sp.index] = self._pool.submit(functools.partial(self._write, region, buf))
         self.stats.written_bytes += region.nbytes
+        # At most buffer_count writes (and their buffers) in flight: an optimizer step
+        # writes every shard, and all of them at once would be the whole model's shards.
+        while len(self._writes) > self.config.buffer_count:
+            self._wait_quietly(self._writes.pop(next(iter(self._writes))))
 
     def _write(self, region: _Region, buf: AlignedBuffer) -> None:
         self._file.write(buf, region.nbytes, offset=region.offset)

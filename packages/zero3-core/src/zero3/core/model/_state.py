@@ -606,6 +606,10 @@ class ShardedModelState:
         device = params[0].device
         flat = torch.empty(sum(sp.shard_numel for sp in params), dtype=torch.float32, device=device)
         views, cursor = [], 0
+        # With offloaded shards in the sub-group every master is a copy of its own: a
+        # shard moved into the buffer would keep the whole buffer (the offloaded
+        # parameters' masters too) in memory when optimizer offload empties it.
+        separate = any(sp.home is not None for sp in params)
         for sp in params:
             region = flat[cursor : cursor + sp.shard_numel]
             cursor += sp.shard_numel
@@ -613,7 +617,7 @@ class ShardedModelState:
             if sp.home is not None:  # an offloaded shard stays apart: its master is a copy
                 sp.home.drop(sp)
                 sp.master = region[: sp.local_numel]
-            elif sp.dtype == torch.float32 and not sp.aliases_param:
+            elif sp.dtype == torch.float32 and not sp.aliases_param and not separate:
                 sp.shard = region
             else:
                 sp.master = region[: sp.local_numel]

@@ -724,7 +724,10 @@ class ParamCoordinator:
             return
         order = trace.param_order
         start = trace.first_entry_at[min(position + 1, len(trace.first_entry_at) - 1)]
-        home.read_ahead(sp for _, sp in order[start:] if sp.status is ParamStatus.NOT_AVAILABLE)
+        # The shards of one prefetch: what the next prefetch takes is read by then.
+        limit = max(1, self.window.prefetch_numel // self.comm.world_size)
+        upcoming = (sp for _, sp in order[start:] if sp.status is ParamStatus.NOT_AVAILABLE)
+        home.read_ahead(upcoming, limit)
 
     def _chunks(
         self, chosen: list[tuple[ShardedParam, int]]

@@ -135,9 +135,10 @@ class ShardHome(Protocol):
         an out shard is read back first (:meth:`bring_in`) and stays resident until
         the home drops it again (after the gather that packed it, after an optimizer
         step writes it, or when the model state settles the shards), so code that
-        reads shards outside the hot path needs no knowledge of offload. The gather path reads ahead in trace order
-        so that it rarely waits. An in-place edit of a resident shard moves its version
-        counter, and the home writes it back before dropping it.
+        reads shards outside the hot path needs no knowledge of offload. The gather
+        path reads ahead in trace order so that it rarely waits. An in-place edit of a
+        resident shard moves its version counter, and the home writes it back before
+        dropping it.
     """
 
     def bring_in(self, sp: ShardedParam) -> torch.Tensor:
@@ -150,8 +151,10 @@ class ShardHome(Protocol):
         """Let a resident shard go (written back first if it was edited in place)."""
         ...
 
-    def read_ahead(self, upcoming: Iterable[ShardedParam]) -> None:
-        """Start reading the shards of ``upcoming`` (in gather order), within a bound."""
+    def read_ahead(self, upcoming: Iterable[ShardedParam], limit_numel: int) -> None:
+        """Start reading the shards of ``upcoming`` (in gather order), at most about
+        ``limit_numel`` shard elements in flight.
+        """
         ...
 
     def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
