@@ -470,11 +470,12 @@ def largest(
             fits[system] = _sizes(w)[0] // 4
             print(f"  {system}, {n} layers (Psi {fits[system] / 1e6:.1f}M): trained (data "
                   f"segment grew {data:.0f} MiB)", flush=True)  # fmt: skip
-    base = fits.get("ddp") or 1
+    base = fits.get("ddp")
     print("\n| system | largest model trained (Psi) | x larger model per GiB of RAM than DDP |")
     print("|---|---|---|")
     for system, psi in fits.items():
-        print(f"| {system} | {psi / 1e6:.1f}M | {psi / base:.2f} |")
+        ratio = f"{psi / base:.2f}" if base else "- (no DDP row in this run)"
+        print(f"| {system} | {psi / 1e6:.1f}M | {ratio} |")
     # zero3 trains a larger model than DDP; each offload at least as large as without.
     order = [fits[s] for s in ("ddp", "zero3") if s in fits]
     offloads = [fits[s] for s in ("zero3", "zero3-offload-nvme", "zero3-offload-both") if s in fits]
