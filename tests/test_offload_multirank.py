@@ -25,18 +25,12 @@ from zero3.core import Zero3Config, local_grad
 from zero3.core.engine import resident_pages
 from zero3.hooks import memory_stats, shard_module, stats
 from zero3.optim import OffloadError, PartitionedOptimizer
-from zero3.testing.models import build, loss_of
+from zero3.testing.models import OPTIMIZERS, build, loss_of
 
 pytestmark = pytest.mark.multirank
 
 LOCAL = 2
 STEPS = 3
-
-OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
-    "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-}
 
 # (optimizer, param_dtype, device, accumulate, clip, overflow at step)
 CASES: dict[str, tuple[str, str | None, str, int, float | None, int | None]] = {

@@ -207,13 +207,7 @@ class OffloadStore:
     def _open_files(self, threads: int, direct: bool, block_size: int) -> None:
         assert self.config.nvme_path is not None
         rank = self._zstate.comm.rank
-        self._dir, stale = make_swap_dir(Path(self.config.nvme_path), "optim", rank)
-        if stale:
-            _log.warning(
-                "zero3: rank %d found swap directories of runs that are no longer alive "
-                "under %s (not ours, left alone; remove them to free the space): %s",
-                rank, self.config.nvme_path, ", ".join(str(p) for p in stale),
-            )  # fmt: skip
+        self._dir, _ = make_swap_dir(Path(self.config.nvme_path), "optim", rank)
         self._pool = IOPool(threads, name=f"zero3-io-r{rank}")
         estimate = sum(self._estimate(sg) for sg in self._offloaded)
         check_free_space(self._dir, estimate, f"rank {rank}'s offloaded optimizer state")

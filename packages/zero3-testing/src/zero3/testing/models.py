@@ -16,6 +16,7 @@ from _train.model import Block, GPTConfig, add_gpt_layers, gpt_forward
 from torch import nn
 
 __all__ = [
+    "OPTIMIZERS",
     "ZOO",
     "AlbertLike",
     "BiasReturning",
@@ -266,6 +267,14 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, Callable[[int, int], torch.Tensor]]
     "moe": lambda: (MoE(), float_batch(16, seq=5)),
     "checkpoint_reentrant": lambda: (Checkpointed(reentrant=True), float_batch(16)),
     "checkpoint_non_reentrant": lambda: (Checkpointed(reentrant=False), float_batch(16)),
+}
+
+
+#: Stateful optimizers the offload tests step (AdamW and two with other state), by name.
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
 }
 
 

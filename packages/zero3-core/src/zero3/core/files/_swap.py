@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import errno
 import itertools
+import logging
 import mmap
 import os
 import queue
@@ -47,6 +48,7 @@ __all__ = [
     "round_up",
 ]
 
+_log = logging.getLogger("zero3.core")
 PAGE = mmap.PAGESIZE
 _MADE: set[Path] = set()  # swap directories this process made (see make_swap_dir)
 _IO_STACK = 256 * 1024  # bytes; the I/O threads only call os.preadv/pwritev
@@ -253,7 +255,8 @@ def make_swap_dir(root: Path, label: str, rank: int) -> tuple[Path, list[Path]]:
 
     The name holds the host, process id and rank, so ranks and runs sharing ``root``
     never meet, and a later run can tell the directories of dead runs (same host,
-    process gone) from live ones. Returns the directory and the stale ones found.
+    process gone) from live ones. Returns the directory and the stale ones found
+    (reported at WARNING, left alone).
 
     Raises:
         SwapError: ``root`` cannot be created or written (naming it).
@@ -280,6 +283,12 @@ def make_swap_dir(root: Path, label: str, rank: int) -> tuple[Path, list[Path]]:
         alive = len(parts) < 4 or not parts[-2].isdigit() or _pid_alive(int(parts[-2]))
         if other != path and not alive:
             stale.append(other)
+    if stale:
+        _log.warning(
+            "zero3: rank %d found swap directories of runs that are no longer alive under %s "
+            "(not ours, left alone; remove them to free the space): %s",
+            rank, root, ", ".join(str(p) for p in stale),
+        )  # fmt: skip
     return path, stale
 
 

@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -54,6 +55,7 @@ _log = logging.getLogger("zero3.core")
 _MAX_MESSAGE = 1024  # bytes of a failing rank's message shared with the others
 
 AllReduce = Callable[[torch.Tensor, ReduceOp], None]
+_T = TypeVar("_T")
 
 
 @functools.cache
@@ -107,7 +109,8 @@ class ParamSwapStats:
 @dataclasses.dataclass(frozen=True)
 class _Region:
     offset: int
-    nbytes: int  # the shard's bytes (shard_numel elements)
+    numel: int  # the shard's elements (shard_numel)
+    nbytes: int  # and its bytes
 
 
 class ParamSwap:
@@ -138,7 +141,6 @@ class ParamSwap:
         self._all_reduce = all_reduce
         self._regions: dict[int, _Region] = {}
         self._reads: dict[int, Future[AlignedBuffer]] = {}
-        self._read_numel: dict[int, int] = {}  # elements of each read ahead
         self._writes: dict[int, Future[None]] = {}
         self._resident: dict[int, tuple[ShardedParam, int]] = {}  # index -> (sp, version)
         self._edited: set[int] = set()
@@ -152,17 +154,11 @@ class ParamSwap:
             else:
                 chosen.append(sp)
         self.params = chosen
-        self._dir, stale = make_swap_dir(Path(str(config.nvme_path)), "params", rank)
-        if stale:
-            _log.warning(
-                "zero3: rank %d found swap directories of runs that are no longer alive "
-                "under %s (not ours, left alone; remove them to free the space): %s",
-                rank, config.nvme_path, ", ".join(str(p) for p in stale),
-            )  # fmt: skip
+        self._dir, _ = make_swap_dir(Path(str(config.nvme_path)), "params", rank)
         cursor = 0
         for sp in chosen:
             nbytes = sp.shard_numel * sp.itemsize
-            self._regions[sp.index] = _Region(cursor, nbytes)
+            self._regions[sp.index] = _Region(cursor, sp.shard_numel, nbytes)
             cursor += round_up(nbytes)
         self.file_bytes = cursor
         self._pool = IOPool(aio.thread_count, name=f"zero3-param-io-r{rank}")
@@ -176,7 +172,7 @@ class ParamSwap:
         if cursor:
             self._file.reserve(cursor)
         for sp in chosen:
-            self._write_now(sp, sp._shard)
+            self._write(self._regions[sp.index], self._buffer_of(sp, sp._shard))
             sp.home = self
             sp.shard = _empty(sp)
 
@@ -196,19 +192,13 @@ class ParamSwap:
         """Bytes of shards that are only in the swap file now."""
         return sum(self._regions[sp.index].nbytes for sp in self.params if not sp.resident)
 
-    def offloaded_numel(self) -> int:
-        """Shard elements that are only in the swap file now."""
-        return sum(sp.shard_numel for sp in self.params if not sp.resident)
-
-    def edited(self, sp: ShardedParam) -> bool:
-        """Whether ``sp``'s shard was set from outside the optimizer since it last took
-        it (:meth:`took_edit` clears it).
+    def take_edit(self, sp: ShardedParam) -> bool:
+        """Whether ``sp``'s shard was set from outside the optimizer since the optimizer
+        last asked (a load, ``gathered_parameters``); asking clears it.
         """
-        return sp.index in self._edited
-
-    def took_edit(self, sp: ShardedParam) -> None:
-        """The optimizer's master of ``sp`` took the shard's edited values."""
+        edited = sp.index in self._edited
         self._edited.discard(sp.index)
+        return edited
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -233,7 +223,7 @@ class ParamSwap:
         """
         budget = self.config.buffer_count - len(self._reads)
         bound = min(limit_numel, self.config.buffer_count * self.config.buffer_size)
-        room = bound - self._reading_numel()
+        room = bound - sum(self._regions[i].numel for i in self._reads)
         for sp in upcoming:
             if budget <= 0:
                 break
@@ -244,13 +234,9 @@ class ParamSwap:
             if sp.shard_numel > room and self._reads:
                 break
             self._reads[sp.index] = self._submit_read(sp)
-            self._read_numel[sp.index] = sp.shard_numel
             self.stats.read_ahead_bytes += self._regions[sp.index].nbytes
             budget -= 1
             room -= sp.shard_numel
-
-    def _reading_numel(self) -> int:
-        return sum(self._read_numel.get(i, 0) for i in self._reads)
 
     def bring_in(self, sp: ShardedParam) -> torch.Tensor:
         """Read ``sp``'s shard back (see the ShardHome protocol)."""
@@ -258,7 +244,7 @@ class ParamSwap:
         try:
             if future is None:
                 future = self._submit_read(sp)
-            buf = self._wait_read(future)
+            buf = self._wait(future)
         except SwapError as exc:
             raise ShardReadError(
                 f"zero3: offload_param: cannot read the shard of parameter {sp.name!r} back: {exc}"
@@ -270,14 +256,7 @@ class ParamSwap:
         self._resident[sp.index] = (sp, tensor._version)
         return tensor
 
-    def _wait_read(self, future: Future[AlignedBuffer]) -> AlignedBuffer:
-        begin = time.perf_counter()
-        try:
-            return future.result()
-        finally:
-            self.stats.io_wait_s += time.perf_counter() - begin
-
-    def _wait(self, future: Future[AlignedBuffer] | Future[None]) -> object:
+    def _wait(self, future: Future[_T]) -> _T:
         begin = time.perf_counter()
         try:
             return future.result()
@@ -300,21 +279,23 @@ class ParamSwap:
     def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
         """Write this rank's real elements of ``sp`` (``local_numel`` values) to disk."""
         self._resident.pop(sp.index, None)
-        region = self._regions[sp.index]
-        buf = AlignedBuffer(region.nbytes)
-        shard = buf.tensor[: region.nbytes].view(sp.param.dtype)
-        shard[: values.numel()].copy_(values.reshape(-1))  # the padding stays zero
         sp.shard = _empty(sp)
         if edit:
             self._edited.add(sp.index)
-        self._queue_write(sp, shard, buf)
+        self._queue_write(sp, values)
 
-    def _queue_write(
-        self, sp: ShardedParam, shard: torch.Tensor, buf: AlignedBuffer | None = None
-    ) -> None:
-        if buf is None:
-            buf = AlignedBuffer(self._regions[sp.index].nbytes)
-            buf.tensor[: shard.numel() * sp.itemsize].view(sp.param.dtype).copy_(shard)
+    def _buffer_of(self, sp: ShardedParam, values: torch.Tensor) -> AlignedBuffer:
+        """A page-aligned buffer of ``sp``'s region holding ``values`` (the first
+        elements; the rest, the padding, stays zero).
+        """
+        region = self._regions[sp.index]
+        buf = AlignedBuffer(region.nbytes)
+        shard = buf.tensor[: region.nbytes].view(sp.param.dtype)
+        shard[: values.numel()].copy_(values.reshape(-1))
+        return buf
+
+    def _queue_write(self, sp: ShardedParam, values: torch.Tensor) -> None:
+        buf = self._buffer_of(sp, values)
         stale = self._reads.pop(sp.index, None)
         if stale is not None:  # a read ahead of older bytes: let it finish, drop it
             self._wait_quietly(stale)
@@ -332,13 +313,7 @@ class ParamSwap:
     def _write(self, region: _Region, buf: AlignedBuffer) -> None:
         self._file.write(buf, region.nbytes, offset=region.offset)
 
-    def _write_now(self, sp: ShardedParam, shard: torch.Tensor) -> None:
-        region = self._regions[sp.index]
-        buf = AlignedBuffer(region.nbytes)
-        buf.tensor[: region.nbytes].view(sp.param.dtype).copy_(shard.reshape(-1))
-        self._write(region, buf)
-
-    def _wait_quietly(self, future: Future[AlignedBuffer] | Future[None]) -> None:
+    def _wait_quietly(self, future: Future[Any]) -> None:
         try:
             self._wait(future)
         except SwapError as exc:
@@ -363,15 +338,6 @@ class ParamSwap:
             raise_if_any_rank_failed(self._all_reduce, self._rank, device, error, _offload_error)
         elif error is not None:
             raise _offload_error(f"rank {self._rank}: {error}") from error
-
-    def check_file(self) -> None:
-        """Raise :class:`~zero3.core.params._params.ShardReadError` unless the swap file
-        is still whole.
-        """
-        try:
-            self._file.check(self.file_bytes)
-        except SwapError as exc:
-            raise ShardReadError(f"zero3: offload_param: {exc}") from exc
 
     def close(self) -> None:
         """Remove the swap file and stop the I/O threads (the model is unsharded: every

@@ -614,10 +614,9 @@ class ShardedModelState:
             region = flat[cursor : cursor + sp.shard_numel]
             cursor += sp.shard_numel
             region.copy_(sp.shard)
-            if sp.home is not None:  # an offloaded shard stays apart: its master is a copy
+            if sp.home is not None:  # copied: an offloaded shard goes back out
                 sp.home.drop(sp)
-                sp.master = region[: sp.local_numel]
-            elif sp.dtype == torch.float32 and not sp.aliases_param and not separate:
+            if sp.dtype == torch.float32 and not sp.aliases_param and not separate:
                 sp.shard = region
             else:
                 sp.master = region[: sp.local_numel]
@@ -628,11 +627,7 @@ class ShardedModelState:
         """Whether ``sp``'s offloaded shard was set from outside the optimizer since the
         optimizer last asked (a load, ``gathered_parameters``); asking clears it.
         """
-        swap = self.param_swap
-        if swap is None or not swap.edited(sp):
-            return False
-        swap.took_edit(sp)
-        return True
+        return self.param_swap is not None and self.param_swap.take_edit(sp)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """A small all-reduce on the gradient backend (norms, overflow flags), counted."""

@@ -72,11 +72,6 @@ class GatherLayout:
             param_hash=zlib.crc32(array.array("q", indices).tobytes()) & 0x7FFFFFFF,
         )
 
-    @property
-    def offloaded(self) -> bool:
-        """Whether any of the parameters has its shard offloaded (``offload_param``)."""
-        return any(sp.home is not None for sp in self.params)
-
     def read_failed_print(self, module_index: int, param_index: int) -> torch.Tensor:
         """The fingerprint of a chunk this rank could not fill: an offloaded shard
         (``param_index``) failed to read back.
@@ -160,7 +155,7 @@ class GatherHandle:
         #: This rank's failure to read an offloaded shard back (it sends zeros and an
         #: "I/O failed" fingerprint instead, so every rank raises at finish).
         self.read_error: ShardReadError | None = None
-        failed = -1
+        failed, offloaded = -1, False
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.itemsize
             try:
@@ -172,12 +167,13 @@ class GatherHandle:
                 send[offset : offset + nbytes].copy_(shard.view(torch.uint8))
                 if sp.home is not None:
                     sp.home.drop(sp)  # packed: the gathered copy is what is used now
+                    offloaded = True
             sp.set_status(ParamStatus.INFLIGHT)
         if self.read_error is not None:
             send[-FINGERPRINT_BYTES:].copy_(layout.read_failed_print(module_index, failed))
         else:
             send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
-        if layout.offloaded:
+        if offloaded or self.read_error is not None:
             self.verify = "now"  # a rank that could not read its shard stops every rank here
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
