@@ -11,6 +11,7 @@ there rather than in memory.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import socket
@@ -307,3 +308,169 @@ def test_too_little_space_for_the_shards_is_refused_at_shard_time(worker_pool):
     finally:
         os.system(f"umount {mount}")
         os.rmdir(mount)
+
+
+# -- construction streams the shards into the swap file ------------------------------------
+
+
+def _built_on_meta(root: str, from_file: bool) -> dict[str, Any]:
+    """A model on meta built with its shards streamed into the swap file (initialised by
+    its modules, or loaded with ``checkpoint=``) holds the in-memory build's shards and
+    trains alike.
+    """
+    from safetensors.torch import save_file
+
+    from zero3.hooks import empty_init
+    from zero3.testing.models import TinyGPT
+
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    file = None
+    if from_file:
+        torch.manual_seed(3)
+        stored = {k: v.clone() for k, v in TinyGPT(dim=32, layers=3).state_dict().items()}
+        file = f"{root}/weights-{r}.safetensors"  # one per rank: no write race
+        Path(root).mkdir(parents=True, exist_ok=True)
+        save_file(stored, file)
+    models = []
+    for offloaded in (False, True):
+        with empty_init():
+            model = TinyGPT(dim=32, layers=3)
+        base = dict(param_persistence_threshold=0, prefetch_bucket_size=2000)
+        config = _offload_config(root, False, **base) if offloaded else Zero3Config(**base)
+        torch.manual_seed(5)  # the modules' initialisers draw the same numbers
+        shard_module(model, config, comm=comm, checkpoint=file)
+        models.append(model)
+    swap = sharded_state(models[1]).param_swap
+    assert swap is not None
+    # Construction's writes are done and not counted; nothing was read back.
+    result: dict[str, Any] = {
+        "after_build": (swap.stats.written_bytes, swap.stats.read_bytes),
+        "nvme_param": memory_stats(models[1]).nvme_param_bytes,
+        "in_memory": memory_stats(models[1]).param_bytes,
+        "shard_bytes": sum(sp.shard_numel * sp.itemsize for sp in swap.params),
+        "offloaded": len(swap.params),
+    }
+    pairs = list(zip(sharded_state(models[0]).params, sharded_state(models[1]).params, strict=True))
+    result["built_diff"] = sum(int((a.shard != b.shard).sum()) for a, b in pairs)
+    opts = [PartitionedOptimizer(m, torch.optim.AdamW, lr=1e-2) for m in models]
+    diffs = []
+    for step in range(2):
+        for m, opt in zip(models, opts, strict=True):
+            x = torch.randint(0, 61, (LOCAL * n, 16), generator=torch.Generator().manual_seed(step))
+            loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            opt.step()
+            opt.zero_grad()
+        diffs.append(sum(int((a.shard != b.shard).sum()) for a, b in pairs))
+    result["diffs"] = diffs
+    result["gathers"] = stats(models[1]).gathers
+    swap.close()
+    return result
+
+
+@pytest.mark.parametrize("from_file", [False, True], ids=["initialised", "checkpoint"])
+def test_a_model_built_on_meta_streams_its_shards_into_the_swap_file(
+    worker_pool, from_file, tmp_path
+):
+    for res in worker_pool(2).run(_built_on_meta, str(tmp_path), from_file):
+        assert res["offloaded"] > 0 and res["gathers"] > 0, res
+        assert res["after_build"] == (0, 0), res
+        assert res["nvme_param"] == res["shard_bytes"] > 0 and res["in_memory"] == 0, res
+        assert res["built_diff"] == 0 and res["diffs"] == [0, 0], res
+
+
+_BUILD_RANK = """
+import json, os, sys
+import torch
+from torch import nn
+from zero3.core import Zero3Config
+from zero3.hooks import empty_init, shard_module
+from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
+
+def status(field):
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from the resident set now
+    return status("VmRSS")
+
+root, offloaded = sys.argv[1], sys.argv[2] == "1"
+torch.manual_seed(0)
+with empty_init():
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(LAYERS)])
+offload = {{"device": "nvme", "nvme_path": root}}
+extra = (
+    {{"offload_param": {{**offload, "max_in_cpu": 0}}, "offload_optimizer": offload,
+      "sub_group_size": 1 << 19}}
+    if offloaded else {{}}
+)
+config = Zero3Config(backend="gloo", param_persistence_threshold=0, **extra)
+growth = {{}}
+base = reset_peak()
+shard_module(model, config)
+growth["build"] = status("VmHWM") - base
+opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+model(torch.ones(2, 1024)).sum().backward()
+opt.step()
+opt.zero_grad()
+base = reset_peak()
+save_checkpoint(root + "/ckpt", model, opt)
+growth["save"] = status("VmHWM") - base
+base = reset_peak()
+load_checkpoint(root + "/ckpt", model)
+growth["load"] = status("VmHWM") - base
+if os.environ["RANK"] == "0":
+    print("GROWTH " + json.dumps(growth), flush=True)
+os._exit(0)
+"""
+
+
+def _growth(tmp_path: Path, offloaded: bool, layers: int) -> dict[str, int]:
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "build_rank.py"
+    script.write_text(_BUILD_RANK.replace("LAYERS", str(layers)).format())
+    launcher = ("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    # The threshold pinned: a freed block goes back to the kernel at once, so the peak is
+    # what was live, not what glibc's heap kept from earlier allocations.
+    env.update(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    root = tmp_path / ("offloaded" if offloaded else "in-memory")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(root),
+           "1" if offloaded else "0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hung: no exit within 120 s\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, out + err[-4000:]
+    line = next(x for x in out.splitlines() if x.startswith("GROWTH "))
+    growth: dict[str, int] = json.loads(line.removeprefix("GROWTH "))
+    return growth
+
+
+@pytest.mark.timeout(300)
+def test_build_save_and_load_never_hold_all_the_offloaded_shards(tmp_path):
+    """Building a model on meta with its shards offloaded, saving a checkpoint of it with
+    its offloaded optimizer (AdamW after one step: 4x the shards' bytes in swap files)
+    and loading the weights back each hold a few shards or records at a time: the peak
+    grows by well under the shards per rank. The in-memory build grows by at least that
+    much (the measurement sees the shards), and reading every shard and record back to
+    save or load them would grow by several times it.
+    """
+    layers = 32  # 32 x 4 MiB of fp32 weights: 64 MiB of shards per rank at world 2
+    shards = layers * (1024 * 1024 + 1024) * 4 // 2
+    in_memory = _growth(tmp_path, False, layers)
+    offloaded = _growth(tmp_path, True, layers)
+    assert in_memory["build"] >= shards, (in_memory, shards)
+    for phase in ("build", "save", "load"):
+        assert offloaded[phase] < shards // 2, (phase, offloaded, in_memory, shards)

@@ -1,10 +1,12 @@
 """Memory of models bigger than one rank, measured: peak RSS per rank against bounds.
 
     ./dev run python tools/memory.py build               # world 2: build + one forward
+    ./dev run python tools/memory.py build --offload-param /tmp   # + shards streamed to disk
     ./dev run python tools/memory.py load --worlds 2,4   # a >= 1.5 GB fp32 checkpoint
     ./dev run python tools/memory.py table               # training, world 1/2/4 vs theory
     ./dev run python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
     ./dev run python tools/memory.py largest --cap-mib 600   # the largest GPT under a cap
+    ./dev run python tools/memory.py offload             # offload's peaks vs in-memory zero3
     ./dev run python tools/memory.py checkpoint          # save, async save, load, consolidate
 
 Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
@@ -29,6 +31,18 @@ MiB per block, 26 MiB more after one forward; :ref:`fact-mmap-threshold`). The c
 allocator's, not zero3's, and eager PyTorch pays it too; the zero3 path is also run with
 glibc's default and printed beside (not checked), so both are on record.
 
+With ``--offload-param DIR``, ``build`` and ``load`` also build with the parameter shards
+streamed into swap files under DIR (``offload_param`` nvme, ``max_in_cpu`` 0), checked
+against ``1.1·(B·L/N + 2·L) + 32 MiB`` (``+ 4·L`` with the forward), ``B`` being
+``offload_param.buffer_count``: the writes in flight, and in the forward the reads ahead,
+take the shards' place.
+
+``offload`` trains the benchmark GPT at world 2 with in-memory zero3, optimizer offload
+(nvme) and both offloads, ``--repeats`` runs each and under both allocator settings, and
+checks that each offload's median peak is below in-memory zero3's by at least 80% of the
+model state it moves out of memory (``memory_stats`` held bytes); checked with the
+threshold pinned, printed with glibc's default.
+
 ``checkpoint`` measures each checkpoint operation on a 256 MiB fp32 model of 16 equal
 tensors at world 2 (``--ckpt-mib``, ``--ckpt-layers``, ``--worlds``): after one AdamW step,
 from a baseline taken just before the operation, against the rank's saved state (its
@@ -48,6 +62,7 @@ import gc
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -84,17 +99,24 @@ def _bounds_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from zero3.comm import GlooBackend
     from zero3.core import Zero3Config
+    from zero3.core.engine import sharded_state
     from zero3.hooks import empty_init, memory_stats, shard_module
 
     torch.set_num_threads(1)
     w = Workload(**spec["workload"])
     comm = GlooBackend(timeout_s=900)
     layer = w.layer_numel
+    offload = (
+        {"offload_param": {"device": "nvme", "nvme_path": spec["offload"], "max_in_cpu": 0}}
+        if spec.get("offload")
+        else {}
+    )
     config = Zero3Config(
         backend="gloo",
         max_reuse_distance=0,
         prefetch_bucket_size=layer,
         max_live_parameters=3 * layer,
+        **offload,
     )
     x, y = batch(Workload(**{**spec["workload"], "batch": 1}), 0, comm.rank, comm.world_size)
     comm.barrier().wait()
@@ -114,6 +136,9 @@ def _bounds_worker(spec: dict[str, Any]) -> dict[str, Any]:
         model(x, y)
     forward = peak_rss_bytes() - baseline
     held = memory_stats(model).param_bytes
+    swap = sharded_state(model).param_swap
+    if swap is not None:
+        swap.close()  # os._exit runs no finalizer: the swap file goes now
     return {"rank": comm.rank, "baseline": baseline, "built": built, "forward": forward,
             "held": held}  # fmt: skip
 
@@ -186,6 +211,7 @@ def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from zero3.comm import create_backend
     from zero3.core import Zero3Config
+    from zero3.core.engine import sharded_state
     from zero3.hooks import shard_module
     from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 
@@ -195,7 +221,13 @@ def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
     dim = int((spec["mib"] * MiB / 4 / spec["layers"]) ** 0.5)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(spec["layers"])))
-    shard_module(model, Zero3Config(param_persistence_threshold=0), comm=comm)
+    swap = spec.get("offload")
+    offload = (
+        {"offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+         "offload_optimizer": {"device": "nvme", "nvme_path": swap}}
+        if swap else {}
+    )  # fmt: skip
+    shard_module(model, Zero3Config(param_persistence_threshold=0, **offload), comm=comm)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     if phase != "load-fresh":
         model(torch.randn(4, dim)).pow(2).mean().backward()
@@ -216,8 +248,12 @@ def _checkpoint_worker(spec: dict[str, Any]) -> dict[str, Any]:
         load_checkpoint(path, model, opt)
     seconds = time.perf_counter() - start
     comm.barrier().wait()
-    return {"rank": comm.rank, "growth": peak_rss_bytes() - base, "seconds": seconds,
-            "returned": returned}  # fmt: skip
+    growth = peak_rss_bytes() - base
+    if opt.offload is not None:
+        opt.offload.close()  # os._exit runs no finalizer: the swap files go now
+    if sharded_state(model).param_swap is not None:
+        sharded_state(model).param_swap.close()
+    return {"rank": comm.rank, "growth": growth, "seconds": seconds, "returned": returned}
 
 
 _WORKERS = {
@@ -315,9 +351,21 @@ def _available() -> int:
     return _meminfo("MemAvailable")
 
 
-def bounds(w: Workload, worlds: list[int], checkpoint: str, timeout: float, pinned: bool) -> bool:
-    """Build (+ load) and forward at each world size against the bounds; eager beside."""
+def bounds(
+    w: Workload,
+    worlds: list[int],
+    checkpoint: str,
+    timeout: float,
+    pinned: bool,
+    offload_dir: str = "",
+) -> bool:
+    """Build (+ load) and forward at each world size against the bounds; eager beside,
+    and (``offload_dir``) the build with the parameter shards streamed into swap files.
+    """
+    from zero3.core import Zero3Config
+
     weights, largest = _sizes(w)
+    in_flight = Zero3Config().offload_param.buffer_count  # shard writes / reads ahead
     source = f"from checkpoint {checkpoint}" if checkpoint else "initialised by reset_parameters"
     print(f"model: GPT {w.layers} layers, d_model {w.d_model}, vocab {w.vocab}: "
           f"W = {weights / MiB:.0f} MiB fp32, largest tensor L = {largest / MiB:.0f} MiB; "
@@ -332,16 +380,24 @@ def bounds(w: Workload, worlds: list[int], checkpoint: str, timeout: float, pinn
     # (eager, environment, checked): the zero3 path is also run under glibc's default
     # threshold when the bound is checked with it pinned, so both are on record.
     runs = [
-        (False, PINNED_MMAP if pinned else {}, True),
-        (True, PINNED_MMAP if pinned else {}, False),
+        (False, PINNED_MMAP if pinned else {}, True, False),
+        (True, PINNED_MMAP if pinned else {}, False, False),
     ]
     if pinned:
-        runs.append((False, {}, False))
+        runs.append((False, {}, False, False))
+    if offload_dir:
+        runs.append((False, PINNED_MMAP if pinned else {}, True, True))
     for n in worlds:
-        build_bound = 1.1 * (weights / n + 2 * largest) + 32 * MiB
-        forward_bound = 1.1 * (weights / n + 4 * largest) + 32 * MiB
-        for eager, env, checked in runs:
+        for eager, env, checked, offloaded in runs:
+            # Offloaded shards are written as they are cut: none stay, but the writes in
+            # flight (buffer_count of the largest shard) and, in the forward, the shards
+            # read ahead (as many) take their place.
+            held = in_flight * largest / n if offloaded else weights / n
+            build_bound = 1.1 * (held + 2 * largest) + 32 * MiB
+            forward_bound = 1.1 * (held + 4 * largest) + 32 * MiB
             label = "eager (whole model on every rank)" if eager else "empty_init + shard_module"
+            if offloaded:
+                label += ", offload_param nvme (max_in_cpu 0)"
             if pinned and not env:
                 label += ", glibc default threshold (not checked)"
             need = n * (1.3 * (weights + weights / n) + 600 * MiB)
@@ -349,7 +405,8 @@ def bounds(w: Workload, worlds: list[int], checkpoint: str, timeout: float, pinn
                 print(f"| {n} | {label} | skipped: needs ~{need / 2**30:.1f} GiB, "
                       f"{_available() / 2**30:.1f} GiB available | | | |")  # fmt: skip
                 continue
-            rows = launch("bounds", n, {**spec, "eager": eager}, timeout, env)
+            run_spec = {**spec, "eager": eager, "offload": offload_dir if offloaded else ""}
+            rows = launch("bounds", n, run_spec, timeout, env)
             crashed = [r for r in rows if "crash" in r]
             if crashed:
                 print(f"| {n} | {label} | FAILED: {crashed[0]['crash']} | | | |")
@@ -389,7 +446,7 @@ def table(worlds: list[int], systems: list[str], steps: int, timeout: float) -> 
           "| growth - held | below DDP | baseline |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     args = argparse.Namespace(threads=1, layers=w.layers, steps=steps, warmup=0,
-                              profile=False, timeout=timeout)  # fmt: skip
+                              profile=False, timeout=timeout, lora=0)  # fmt: skip
     ok = True
     for n in worlds:
         estimate = estimate_model_states(meta, n, config=Zero3Config())
@@ -486,19 +543,85 @@ def largest(
     )
 
 
+#: What `offload` compares: in-memory zero3, then each offload (tools/bench.py systems).
+OFFLOAD_SYSTEMS = ("zero3", "zero3-offload-nvme", "zero3-offload-both")
+#: glibc's mmap threshold pinned at 128 KiB (freed large blocks go back to the kernel).
+PINNED = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def offload(world: int, layers: int, repeats: int, mallocs: list[str], timeout: float) -> bool:
+    """Peak RSS growth per rank of in-memory zero3 and of each offload, ``repeats`` runs
+    each (interleaved), under each allocator setting: against the target that each
+    offload's peak is below the in-memory peak by at least 80% of the model state it
+    moves out of memory (``memory_stats`` after the backward: held bytes of in-memory
+    zero3 minus the offload's). Medians of the runs; checked with the threshold pinned.
+    """
+    import bench
+
+    print(f"world {world}, the benchmark GPT at {layers} layers, fp32 AdamW, batch 4 x "
+          f"seq 256 per rank; {repeats} runs of 6 steps per system and allocator setting; "
+          "MiB per rank (the largest rank)")  # fmt: skip
+    args = argparse.Namespace(threads=1, layers=layers, steps=4, warmup=2,
+                              profile=False, timeout=timeout, lora=0)  # fmt: skip
+    ok = True
+    print("\n| allocator | system | peak RSS growth per run | median | held | moved out "
+          "of memory | target (median) | met |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for malloc in mallocs:
+        saved = {k: os.environ.pop(k, None) for k in PINNED}
+        if malloc == "pinned":
+            os.environ.update(PINNED)
+        try:
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in OFFLOAD_SYSTEMS}
+            for _ in range(repeats):
+                for system in OFFLOAD_SYSTEMS:
+                    runs[system].append(bench.launch(system, world, args))
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key, None)
+                if value is not None:
+                    os.environ[key] = value
+        growth = {
+            s: [max(p - b for p, b in zip(r["rss"], r["baseline"], strict=True)) for r in rs]
+            for s, rs in runs.items()
+        }
+        held = {s: statistics.median(r["held"] for r in rs) for s, rs in runs.items()}
+        base = statistics.median(growth["zero3"])
+        for system in OFFLOAD_SYSTEMS:
+            median = statistics.median(growth[system])
+            moved = held["zero3"] - held[system]
+            target = base - 0.8 * moved
+            met = "-" if system == "zero3" else ("yes" if median <= target else "**no**")
+            if malloc == "pinned" and system != "zero3":
+                ok &= median <= target
+            each = ", ".join(f"{g / MiB:.0f}" for g in growth[system])
+            goal = "-" if system == "zero3" else f"{target / MiB:.0f}"
+            print(f"| {malloc} | {system} | {each} | {median / MiB:.0f} | "
+                  f"{held[system] / MiB:.0f} | {moved / MiB:.0f} | {goal} | {met} |",
+                  flush=True)  # fmt: skip
+    print("\nheld: zero3.hooks.memory_stats(model, optimizer).held_bytes after the backward "
+          "(most of any step); moved out: in-memory zero3's held minus the row's; target: "
+          "in-memory zero3's median peak minus 80% of what the row moves out")  # fmt: skip
+    return ok
+
+
 #: The checkpoint operations `checkpoint` measures (save runs first: the others read it).
 PHASES = ("save", "async", "load", "load-fresh", "consolidate")
 
 
-def checkpoint(mib: int, layers: int, world: int, phases: list[str], timeout: float) -> bool:
-    """Peak RSS growth of each checkpoint operation, per rank, against the rank's state."""
+def checkpoint(
+    mib: int, layers: int, world: int, phases: list[str], timeout: float, offload: str = ""
+) -> bool:
+    """Peak RSS growth of each checkpoint operation, per rank, against the rank's state
+    (``offload``: with every shard and the optimizer state in swap files under it).
+    """
     import shutil
     import tempfile
 
     root = tempfile.mkdtemp(prefix="zero3-memory-checkpoint-")
     rows = []
     try:
-        spec = {"dir": str(Path(root) / "ckpt"), "mib": mib, "layers": layers}
+        spec = {"dir": str(Path(root) / "ckpt"), "mib": mib, "layers": layers, "offload": offload}
         for phase in ["save", *(p for p in phases if p != "save")]:
             kind, n = ("consolidate", 1) if phase == "consolidate" else ("checkpoint", world)
             rows += [
@@ -509,6 +632,10 @@ def checkpoint(mib: int, layers: int, world: int, phases: list[str], timeout: fl
     largest, state = mib / layers, 3 * mib / world  # this rank's weights + Adam's two moments
     print(f"model {mib} MiB fp32 in {layers} tensors of {largest:.1f} MiB, {world} ranks: "
           f"each rank saves {state:.0f} MiB (its weight shards and two Adam moments)")  # fmt: skip
+    if offload:
+        print(f"offloaded (offload_param and offload_optimizer nvme under {offload}): the "
+              f"shards, their separate fp32 masters and the moments, {4 * mib / world:.0f} "
+              "MiB per rank, are in swap files before each operation")  # fmt: skip
     print()
     print("| operation | rank | growth (MiB) | / rank's state | / largest tensor | s |")
     print("|---|---|---|---|---|---|")
@@ -530,7 +657,7 @@ def main() -> int:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["build", "load", "table", "cap", "largest", "checkpoint"],
+        choices=["build", "load", "table", "cap", "largest", "offload", "checkpoint"],
         default="build",
     )
     p.add_argument(
@@ -568,6 +695,18 @@ def main() -> int:
         default=",".join(PHASES),
         help="comma-separated operations for `checkpoint`",
     )
+    p.add_argument(
+        "--offload-param", default="", metavar="DIR",
+        help="`build`/`load`: also build with the parameter shards streamed into swap files "
+        "under DIR (offload_param nvme, max_in_cpu 0), checked against its own bound; "
+        "`checkpoint`: run it with the shards and the optimizer state offloaded under DIR",
+    )  # fmt: skip
+    p.add_argument("--layers", type=int, default=8, help="model layers for `offload`")
+    p.add_argument("--repeats", type=int, default=3, help="runs per system for `offload`")
+    p.add_argument(
+        "--mallocs", default="pinned,glibc",
+        help="allocator settings `offload` runs: pinned (threshold at 128 KiB), glibc",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -575,13 +714,13 @@ def main() -> int:
     if args.worker:
         worker_main(args.worker, json.loads(args.spec))
     worlds = [int(x) for x in args.worlds.split(",")] if args.worlds else None
+    pinned = args.malloc == "pinned"
     if args.what == "build":
-        ok = bounds(SMALL, worlds or [2], "", args.timeout, args.malloc == "pinned")
+        ok = bounds(SMALL, worlds or [2], "", args.timeout, pinned, args.offload_param)
     elif args.what == "load":
         write_checkpoint(BIG, args.checkpoint)
-        ok = bounds(
-            BIG, worlds or [2, 4], str(args.checkpoint), args.timeout, args.malloc == "pinned"
-        )
+        source = str(args.checkpoint)
+        ok = bounds(BIG, worlds or [2, 4], source, args.timeout, pinned, args.offload_param)
     elif args.what == "table":
         systems = args.systems.split(",")
         ok = table(worlds or [1, 2, 4], systems, args.steps, args.timeout)
@@ -591,13 +730,22 @@ def main() -> int:
         layers = [int(x) for x in args.largest_layers.split(",")]
         systems = args.largest_systems.split(",")
         ok = largest(args.cap_mib * MiB, (worlds or [2])[0], layers, systems, args.timeout)
+    elif args.what == "offload":
+        mallocs = args.mallocs.split(",")
+        unknown = sorted(set(mallocs) - {"pinned", "glibc"})
+        if unknown:
+            p.error(f"--mallocs: unknown {unknown}; choose from pinned, glibc")
+        world = (worlds or [2])[0]
+        ok = offload(world, args.layers, args.repeats, mallocs, args.timeout)
     else:
         phases = args.ckpt_phases.split(",")
         unknown = sorted(set(phases) - set(PHASES))
         if unknown:
             p.error(f"--ckpt-phases: unknown {unknown}; choose from {list(PHASES)}")
         world = (worlds or [2])[0]
-        ok = checkpoint(args.ckpt_mib, args.ckpt_layers, world, phases, args.timeout)
+        ok = checkpoint(
+            args.ckpt_mib, args.ckpt_layers, world, phases, args.timeout, args.offload_param
+        )
     return 0 if ok else 1
 
 

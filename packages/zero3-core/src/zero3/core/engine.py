@@ -23,8 +23,10 @@ from zero3.core.files._format import (
     CHECKPOINT_LAYOUT,
     CheckpointLayout,
     CheckpointLoadPlanner,
+    CheckpointSavePlanner,
     CheckpointStorageReader,
     CheckpointStorageWriter,
+    DeferredTensor,
     check_checkpoint_dir,
     clone_state_dict,
     quiet_dcp_warnings,
@@ -69,6 +71,7 @@ from zero3.core.state_dict._sharded import (
     load_module_entry,
     local_flat,
     sharded_like,
+    streamed_sharded_state_dict,
 )
 
 __all__ = [
@@ -81,8 +84,10 @@ __all__ = [
     "CheckpointLayout",
     "CheckpointLoadPlanner",
     "CheckpointReader",
+    "CheckpointSavePlanner",
     "CheckpointStorageReader",
     "CheckpointStorageWriter",
+    "DeferredTensor",
     "DiscretePath",
     "GatherWindow",
     "GradBucket",
@@ -130,5 +135,6 @@ __all__ = [
     "sharded_like",
     "sharded_param",
     "sharded_state",
+    "streamed_sharded_state_dict",
     "try_sharded_state",
 ]

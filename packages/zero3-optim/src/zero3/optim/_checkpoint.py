@@ -44,12 +44,15 @@ from zero3.core.engine import (
     CHECKPOINT_LAYOUT,
     CheckpointLoadPlanner,
     CheckpointReader,
+    CheckpointSavePlanner,
     CheckpointStorageWriter,
+    DeferredTensor,
     checkpoint_group,
     quiet_dcp_warnings,
     raise_on_every_rank,
     sharded_param,
     sharded_state,
+    streamed_sharded_state_dict,
 )
 from zero3.optim._optim_checkpoint import load_template
 from zero3.optim._optimizer import PartitionedOptimizer
@@ -130,17 +133,35 @@ def save_checkpoint(
     staging = _staging_dir(group, target, rank)
     if rank == 0:
         _remove_stale(target)
+    # A synchronous save reads offloaded parameter shards as it writes them (one at a
+    # time); an async one stages a copy of everything first, so it reads them all.
+    deferred: Mapping[str, DeferredTensor] = {}
+    if async_save:
+        model_sd = sharded_state_dict(module)
+    else:
+        model_sd, deferred = streamed_sharded_state_dict(module)
     sd: dict[str, Any] = {
         _L.info: {"format_version": CHECKPOINT_FORMAT_VERSION, "info": _info(module, optimizer)},
-        _L.model: sharded_state_dict(module),
+        _L.model: model_sd,
         _L.extra: _copy_plain(dict(extra or {})),
     }
-    if optimizer is not None:
+    later: dict[tuple[str, ...], DeferredTensor] = {(_L.model, k): v for k, v in deferred.items()}
+    if optimizer is not None and async_save:
         sd[_L.optim] = optimizer.sharded_state_dict()
-    writer = CheckpointStorageWriter(staging)
+    elif optimizer is not None:  # offloaded records are read as they are written, too
+        sd[_L.optim], optim_deferred = optimizer.streamed_sharded_state_dict()
+        later.update({(_L.optim, *k): v for k, v in optim_deferred.items()})
+    writer = CheckpointStorageWriter(staging, file_per_item=bool(later))
     if not async_save:
+        planner = CheckpointSavePlanner(later)
         with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
-            dcp_save(sd, storage_writer=writer, process_group=group, no_dist=group is None)
+            dcp_save(
+                sd,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
+                no_dist=group is None,
+            )
         _publish_everywhere(group, rank, staging, target)
         return None
     with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
@@ -192,7 +213,10 @@ def load_checkpoint(
     error: BaseException | None = None
     try:
         reader = _open(target)
-        template[_L.model] = sharded_state_dict(module)
+        # Offloaded parameter shards are written to their file as each comes in whole.
+        template[_L.model], deferred = streamed_sharded_state_dict(
+            module, update_masters=optimizer is None
+        )
         with quiet_dcp_warnings():
             _check_model(reader, template[_L.model])
         template[_L.extra] = reader.template(_L.extra)
@@ -212,12 +236,14 @@ def load_checkpoint(
         dcp_load(
             template,
             storage_reader=reader.storage,
-            planner=CheckpointLoadPlanner(),
+            planner=CheckpointLoadPlanner({(_L.model, k): v for k, v in deferred.items()}),
             process_group=group,
             no_dist=group is None,
         )
     # With an optimizer, its saved fp32 masters (loaded next) win over the rounded values.
-    load_model_state(module, template[_L.model], update_masters=optimizer is None)
+    # The deferred entries are in the model already (and their placeholders hold nothing).
+    loaded = {k: v for k, v in template[_L.model].items() if k not in deferred}
+    load_model_state(module, loaded, strict=not deferred, update_masters=optimizer is None)
     if optimizer is not None:
         optimizer.load_sharded_state_dict(template[_L.optim])
     extra = template[_L.extra]

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from zero3.core import OffloadOptimizerConfig
     from zero3.optim._optim_checkpoint import SubGroup
 
-__all__ = ["OffloadError", "OffloadStats", "OffloadStore"]
+__all__ = ["OffloadError", "OffloadStats", "OffloadStore", "RecordEntry", "RecordReader"]
 
 _log = logging.getLogger("zero3.optim")
 _ALIGN = 64  # bytes between state segments: any dtype's view is aligned
@@ -452,6 +452,11 @@ class OffloadStore:
             error = exc
         self._agree(error)
 
+    def record_reader(self) -> RecordReader:
+        """A reader of the records only in swap files now, for a streamed save."""
+        self._settle_ahead()
+        return RecordReader(self, [s for s in self._slots.values() if s.on_disk and not s.resident])
+
     # -- the step walk --------------------------------------------------------------------
 
     def run(self, batches: Sequence[Sequence[SubGroup]], step: StepBatch) -> None:
@@ -492,6 +497,81 @@ class OffloadStore:
             zstate.all_reduce, zstate.comm.rank, zstate.grad_comm.device(), error,
             lambda message: OffloadError(f"optimizer offload failed on {message}"),
         )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordEntry:
+    """One parameter's master or state tensor inside an offloaded record, as a deferred
+    checkpoint entry (``zero3.core.engine.DeferredTensor``) for saving: read when the
+    save writes it.
+    """
+
+    reader: RecordReader
+    slot: _Slot
+    seg: _Seg
+    start: int
+    placeholder: torch.Tensor
+
+    def read(self) -> torch.Tensor:
+        """This parameter's elements, from the record (read if it is not the last)."""
+        values = self.reader.segment(self.slot, self.seg)
+        return values[self.start : self.start + self.placeholder.numel()]
+
+    def write(self, values: torch.Tensor) -> None:
+        """Not for loading: a load fills the state in memory first."""
+        raise NotImplementedError("offloaded optimizer records are deferred for saving only")
+
+
+class RecordReader:
+    """The offloaded sub-groups' records a streamed checkpoint save reads: one record in
+    memory at a time (the last one asked for), the state left in its files.
+
+    Args:
+        store: The optimizer's offload store.
+        slots: Its records only on disk now.
+    """
+
+    def __init__(self, store: OffloadStore, slots: Sequence[_Slot]) -> None:
+        self._store = store
+        self._slots = {id(slot.sg): slot for slot in slots}
+        self._current: tuple[_Slot, AlignedBuffer] | None = None
+        longest: dict[torch.dtype, int] = {}
+        for slot in slots:
+            for seg in slot.layout:
+                longest[seg.dtype] = max(longest.get(seg.dtype, 0), seg.numel)
+        # Placeholders view these (never read or written): DCP plans from their sizes.
+        self._scratch = {dtype: torch.empty(n, dtype=dtype) for dtype, n in longest.items()}
+
+    def entries(self, sg: SubGroup) -> dict[tuple[str, int, str], RecordEntry] | None:
+        """``sg``'s deferred entries by (``"master"`` or ``"state"``, member, key); None
+        where its state is in memory.
+        """
+        slot = self._slots.get(id(sg))
+        if slot is None:
+            return None
+        out: dict[tuple[str, int, str], RecordEntry] = {}
+        for seg in slot.layout:
+            members = range(len(sg.params)) if seg.owner < 0 or self._store._flat else [seg.owner]
+            for k in members:
+                whole_owner = seg.owner >= 0 and not self._store._flat
+                start = 0 if whole_owner else sg.offsets[k]
+                n = sg.params[k].local_numel
+                kind = "master" if seg.owner < 0 else "state"
+                holder = self._scratch[seg.dtype][:n]
+                out[(kind, k, seg.key)] = RecordEntry(self, slot, seg, start, holder)
+        return out
+
+    def segment(self, slot: _Slot, seg: _Seg) -> torch.Tensor:
+        """``seg``'s values in ``slot``'s record, read now unless it was the last."""
+        if self._current is None or self._current[0] is not slot:
+            self._current = None  # the previous record goes first
+            try:
+                slot.file.check(slot.nbytes)
+                self._current = (slot, self._store._read(slot))
+            except SwapError as exc:
+                raise OffloadError(f"optimizer offload: cannot read a record back: {exc}") from exc
+        buf = self._current[1]
+        return buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize].view(seg.dtype)
 
 
 class _Walk:

@@ -26,7 +26,7 @@ Note (what is saved, and how it reshards):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,7 @@ from zero3.core import CheckpointMismatchError
 from zero3.core.engine import (
     CHECKPOINT_LAYOUT,
     CheckpointReader,
+    DeferredTensor,
     ShardedParam,
     local_flat,
     sharded_like,
@@ -42,11 +43,13 @@ from zero3.core.engine import (
 from zero3.optim._loss_scale import LossScaler
 
 __all__ = [
+    "EntriesOf",
     "OptimizerParts",
     "SubGroup",
     "load_sharded_state",
     "load_template",
     "sharded_state",
+    "streamed_sharded_state",
 ]
 
 _L = CHECKPOINT_LAYOUT
@@ -123,27 +126,71 @@ def _kind(opt: OptimizerParts, sp: ShardedParam, owner: torch.Tensor, key: str, 
 
 def sharded_state(opt: OptimizerParts) -> dict[str, Any]:
     """See :meth:`PartitionedOptimizer.sharded_state_dict`."""
+    return streamed_sharded_state(opt, lambda sg: None)[0]
+
+
+#: A sub-group's deferred entries by ("master" or "state", member, key), or None (its
+#: state is in memory).
+EntriesOf = Callable[[SubGroup], Mapping[tuple[str, int, str], DeferredTensor] | None]
+
+
+def streamed_sharded_state(
+    opt: OptimizerParts, entries_of: EntriesOf
+) -> tuple[dict[str, Any], dict[tuple[str, ...], DeferredTensor]]:
+    """:func:`sharded_state`, with the masters and per-element state of the sub-groups
+    ``entries_of`` gives entries for deferred (read by the checkpoint's save planner as
+    it writes them); returns the state dict and the deferred entries by key path.
+    """
     masters: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for sg, k, sp in _members(opt):
-        if not sg.aliased[k]:
-            masters[sp.name] = sharded_like(sp, sg.views[k])
-        owner = _owner(opt, sg, k)
-        for key, value in opt.optimizer.state.get(owner, {}).items():
-            if _kind(opt, sp, owner, key, value) == "element":
-                local = _local(opt, sg, k, value)
-                state.setdefault(sp.name, {})[key] = sharded_like(sp, local)
-            else:
-                plain = value.detach() if isinstance(value, torch.Tensor) else value
-                scalars.setdefault(sp.name, {})[key] = plain
-    return {
+    deferred: dict[tuple[str, ...], DeferredTensor] = {}
+    for sg in opt.subgroups:
+        entries = entries_of(sg)
+        for k, sp in enumerate(sg.params):
+            owner = _owner(opt, sg, k)
+            if entries is not None:
+                _add_deferred(sp, k, entries, masters, state, deferred)
+            elif not sg.aliased[k]:
+                masters[sp.name] = sharded_like(sp, sg.views[k])
+            for key, value in opt.optimizer.state.get(owner, {}).items():
+                if entries is not None and ("state", k, key) in entries:
+                    continue
+                if _kind(opt, sp, owner, key, value) == "element":
+                    local = _local(opt, sg, k, value)
+                    state.setdefault(sp.name, {})[key] = sharded_like(sp, local)
+                else:
+                    plain = value.detach() if isinstance(value, torch.Tensor) else value
+                    scalars.setdefault(sp.name, {})[key] = plain
+    out = {
         "param_groups": _named_groups(opt),
         "master": masters,
         "state": state,
         "scalars": scalars,
         "scaler": opt.scaler.state_dict(),
     }
+    return out, deferred
+
+
+def _add_deferred(
+    sp: ShardedParam,
+    k: int,
+    entries: Mapping[tuple[str, int, str], DeferredTensor],
+    masters: dict[str, Any],
+    state: dict[str, dict[str, Any]],
+    deferred: dict[tuple[str, ...], DeferredTensor],
+) -> None:
+    """Member ``k``'s deferred master and state entries, in the state dict's places."""
+    for (kind, member, key), entry in entries.items():
+        if member != k:
+            continue
+        value = sharded_like(sp, entry.placeholder)
+        if kind == "master":
+            masters[sp.name] = value
+            deferred[("master", sp.name)] = entry
+        else:
+            state.setdefault(sp.name, {})[key] = value
+            deferred[("state", sp.name, key)] = entry
 
 
 def _group_names(opt: OptimizerParts) -> list[list[str]]:

@@ -453,11 +453,13 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._grads_unscaled = False
         self._zstate.step.end_window(clear=clear)
 
-    def _parts(self) -> _optim_checkpoint.OptimizerParts:
+    def _parts(self, *, bring_in: bool = True) -> _optim_checkpoint.OptimizerParts:
         """The masters, the wrapped optimizer and the scaler (for checkpoints); offloaded
-        state is read back first (it stays in memory until the next step).
+        state is read back first (it stays in memory until the next step) unless
+        ``bring_in`` is False.
         """
-        self._bring_in()
+        if bring_in:
+            self._bring_in()
         return _optim_checkpoint.OptimizerParts(
             self._subgroups, self.flat, self.optimizer, self.scaler
         )
@@ -496,6 +498,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 tensor nor a scalar (naming the state key and the parameter).
         """
         return _optim_checkpoint.sharded_state(self._parts())
+
+    def streamed_sharded_state_dict(self) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]:
+        """:meth:`sharded_state_dict` without reading the records optimizer offload keeps
+        in swap files: their masters and state are deferred entries (by key path in the
+        state dict) that ``zero3.core.engine.CheckpointSavePlanner`` reads, one record at
+        a time, as it writes them. For saving only (``save_checkpoint`` uses it).
+        """
+        if self._offload is None or not self._offload.nvme:
+            return self.sharded_state_dict(), {}
+        reader = self._offload.record_reader()
+        return _optim_checkpoint.streamed_sharded_state(self._parts(bring_in=False), reader.entries)
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict` contents (filled by ``dcp.load``, at any world

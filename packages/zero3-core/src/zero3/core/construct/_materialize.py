@@ -284,6 +284,15 @@ def _replaced_message(name: str, mod: nn.Module, replaced: list[str]) -> str:
     )
 
 
+#: What the materializer does with each shard it cuts: ``(index, shard) -> the tensor
+#: the parameter holds`` (the shard itself, or an empty one when it was written out).
+Keep = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def _keep_in_memory(index: int, shard: torch.Tensor) -> torch.Tensor:
+    return shard
+
+
 def _range(numel: int, rank: int, world: int) -> tuple[int, int, int]:
     """(shard_numel, start, stop) of ``rank``'s elements, as ``ShardedParam`` cuts them."""
     shard_numel = -(-numel // world)
@@ -356,6 +365,7 @@ class Materializer:
         self._inits: dict[int, Callable[[], Any]] = {}
         self._sums: list[tuple[_Target, tuple[int, int]]] = []
         self._problems: list[str] = []
+        self._keep: Keep = _keep_in_memory
 
     def _collect_buffers(self) -> list[_Buffer]:
         found: dict[int, _Buffer] = {}
@@ -556,16 +566,19 @@ class Materializer:
 
     # -- the work -----------------------------------------------------------------------------
 
-    def run(self) -> dict[int, torch.Tensor]:
+    def run(self, keep: Keep | None = None) -> dict[int, torch.Tensor]:
         """Materialize every handled parameter; return the shards of the sharded ones.
 
         Persistent parameters (and all of them in a world of one) come back whole in
         the parameter itself; the others hold no bytes (their class says they are
-        released) and their shard is returned by index.
+        released) and their shard is returned by index: ``keep(index, shard)`` if given,
+        called as each shard is cut (parameter offload writes it out there and returns
+        an empty tensor, so the offloaded shards never pile up in memory).
         """
         shards: dict[int, torch.Tensor] = {}
         if not self.active:
             return shards
+        self._keep = keep or _keep_in_memory
         try:
             if self.source is not None:
                 self._load_all(self.source, shards)
@@ -595,7 +608,7 @@ class Materializer:
                 if stop > start:
                     shard[: stop - start].copy_(source.read_flat(t.key, start, stop))
                 shard[stop - start :].zero_()
-                shards[t.index] = shard
+                shards[t.index] = self._keep(t.index, shard)
                 self._give(t, None)
             trim_heap()
         for b in self._buffers:
@@ -692,7 +705,7 @@ class Materializer:
             shard = torch.empty(shard_numel, dtype=t.dtype, device=self.device)
             shard[: stop - start].copy_(t.param.detach().reshape(-1)[start:stop])
             shard[stop - start :].zero_()
-            shards[t.index] = shard
+            shards[t.index] = self._keep(t.index, shard)
             t.param.untyped_storage().resize_(0)
             dress_released(t.param)
 

@@ -39,7 +39,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,10 +49,11 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharded_tensor.shard import Shard
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
+    DefaultSavePlanner,
     create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -74,10 +75,12 @@ __all__ = [
     "CheckpointLoadPlanner",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointSavePlanner",
     "CheckpointStorageReader",
     "CheckpointStorageWriter",
     "CheckpointVersionError",
     "CorruptCheckpointError",
+    "DeferredTensor",
     "IncompleteCheckpointError",
     "check_checkpoint_dir",
     "clone_state_dict",
@@ -270,17 +273,26 @@ def _crc32(f: IO[bytes], offset: int, length: int) -> int:
 
 
 class CheckpointStorageWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` (one file per rank, fsynced) that also records a
+    """DCP's ``FileSystemWriter`` (one file per rank unless asked, fsynced) that records a
     CRC-32 of every item it writes (see the module note).
 
     It is also the stager of ``dcp.async_save`` (DCP uses a writer that can stage):
     :meth:`stage` copies this rank's state to CPU memory once. DCP's default stager
     fails on ShardedTensors, and ``FileSystemWriter``'s own deep-copies each
     ShardedTensor's storage before copying it again (twice the rank's state, measured).
+
+    Args:
+        path: The directory to write.
+        file_per_item: One file per item instead of one per rank. DCP's writer keeps
+            every tensor of a file alive until the file is done, so a state dict with
+            deferred entries (:class:`DeferredTensor`) is written an item per file: then
+            each value read for it is let go once written.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
+    def __init__(self, path: str | os.PathLike[str], *, file_per_item: bool = False) -> None:
+        super().__init__(
+            path, single_file_per_rank=not file_per_item, sync_files=True, overwrite=False
+        )
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A CPU copy of the state to save, each tensor's data once (see the class)."""
@@ -442,20 +454,21 @@ class CheckpointStorageReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan's items, checked, into the planner's tensors and values."""
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            per_file.setdefault(info.relative_path, []).append(item)
-        for name, items in per_file.items():
-            try:
-                f = open(self._root / name, "rb")  # noqa: SIM115 - closed below
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"corrupted checkpoint {self._root}: data file {name} is missing"
-                ) from None
-            with f:
-                for item in items:
-                    self._read_item(f, item, planner)
+        # In key order, whatever file each chunk is in: a tensor's chunks come one after
+        # another (a deferred entry is then whole, written and let go before the next).
+        items = sorted(plan.items, key=lambda item: item.dest_index.fqn)
+        with contextlib.ExitStack() as files:
+            opened: dict[str, IO[bytes]] = {}
+            for item in items:
+                name = self.storage_data[item.storage_index].relative_path
+                if name not in opened:
+                    try:
+                        opened[name] = files.enter_context(open(self._root / name, "rb"))
+                    except FileNotFoundError:
+                        raise CorruptCheckpointError(
+                            f"corrupted checkpoint {self._root}: data file {name} is missing"
+                        ) from None
+                self._read_item(opened[name], item, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -497,6 +510,65 @@ class CheckpointStorageReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
 
+class DeferredTensor(Protocol):
+    """A flat tensor of a state dict whose values a checkpoint moves only when it reaches
+    them (parameter offload's shards: read from, and written to, their swap file one at
+    a time rather than all held in memory at once).
+
+    The state dict holds views of :attr:`placeholder`, a tensor of the right size,
+    dtype and device with no bytes: a planner given the deferred entry reads
+    :meth:`read` where a save needs the values, and hands :meth:`write` the values a
+    load filled in.
+    """
+
+    @property
+    def placeholder(self) -> torch.Tensor:
+        """The flat tensor (no bytes) the state dict's entry views."""
+        ...
+
+    def read(self) -> torch.Tensor:
+        """The flat values, read now."""
+        ...
+
+    def write(self, values: torch.Tensor) -> None:
+        """Store the flat values a load filled in."""
+        ...
+
+
+#: Deferred entries by their key path in the state dict (("model", "lm_head.weight")).
+Deferred = Mapping[tuple[str, ...], DeferredTensor]
+
+
+def _as_view_of(view: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` viewed as ``view`` views ``base`` (same sizes, strides, offset)."""
+    offset = view.storage_offset() - base.storage_offset()
+    return values.as_strided(view.size(), view.stride(), values.storage_offset() + offset)
+
+
+class CheckpointSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that reads a deferred entry's values only when its
+    items are written, one tensor at a time (DCP's file writer resolves the items of a
+    CPU save one by one).
+
+    Args:
+        deferred: The deferred entries of the state dict to save (see
+            :class:`DeferredTensor`).
+    """
+
+    def __init__(self, deferred: Deferred) -> None:
+        super().__init__()
+        self._deferred = deferred
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The item's tensor; for a deferred entry, a view of values read now."""
+        found = super().lookup_object(index)
+        path = self.mappings.get(index.fqn, ()) if self.mappings else ()
+        entry = self._deferred.get(tuple(str(p) for p in path))
+        if entry is None or not isinstance(found, torch.Tensor):
+            return found
+        return _as_view_of(found, entry.placeholder, entry.read())
+
+
 class CheckpointLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner with three changes for zero3's state dicts.
 
@@ -509,10 +581,47 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
       asked for, DCP's planner guesses the state dict came from torch < 2.4 and
       re-flattens it the old way, turning a dict of plain values into one key; zero3
       never loads every key (its own ``zero3`` entries, an unused ``optim``).
+
+    Deferred entries (``deferred``, see :class:`DeferredTensor`) are filled in a buffer
+    of their own, handed to their ``write`` once every element has been read, and let
+    go: with the reader's items in key order, one entry's values at a time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: Deferred | None = None) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self._deferred = deferred or {}
+        self._filling: dict[str, tuple[DeferredTensor, torch.Tensor, list[int]]] = {}
+
+    def _entry(self, fqn: str) -> DeferredTensor | None:
+        if not self._deferred:
+            return None
+        return self._deferred.get(tuple(str(p) for p in self.mappings.get(fqn, ())))
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """Where the item's elements go; for a deferred entry, into its buffer."""
+        fqn = read_item.dest_index.fqn
+        entry = self._entry(fqn)
+        if entry is None:
+            tensor: torch.Tensor = super().resolve_tensor(read_item)
+            return tensor
+        if fqn not in self._filling:
+            values = torch.empty(entry.placeholder.shape, dtype=entry.placeholder.dtype)
+            self._filling[fqn] = (entry, values, [0])
+        entry, values, _ = self._filling[fqn]
+        view = _as_view_of(self.lookup_tensor(read_item.dest_index), entry.placeholder, values)
+        narrowed: torch.Tensor = self.transform_tensor(read_item, view)
+        return narrowed
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Count a deferred entry's elements; once all are in, write them and let go."""
+        fqn = read_item.dest_index.fqn
+        if self._entry(fqn) is None:
+            return
+        entry, values, filled = self._filling[fqn]
+        filled[0] += math.prod(read_item.lengths)
+        if filled[0] >= values.numel():
+            del self._filling[fqn]
+            entry.write(values)
 
     def create_local_plan(self) -> LoadPlan:
         """One read per saved chunk overlapping each requested box or tensor."""

@@ -16,6 +16,11 @@ Note (how a shard moves):
     gather's finish, naming the rank and the parameter (gathers of offloaded shards
     check their fingerprints at once).
 
+    Construction streams: the swap file is laid out from the parameters' sizes before
+    any shard exists, and each shard the materializer cuts goes to the file at once
+    (:meth:`ParamSwap.store`), so building a model never holds more of its offloaded
+    shards in memory than the writes in flight.
+
     ``max_in_cpu`` keeps the first shards (parameter order) up to that many elements in
     memory for good; DeepSpeed's default (10⁹) keeps every shard of a model with fewer
     elements per rank in memory, which is logged at setup with the count.
@@ -49,7 +54,13 @@ from zero3.core.files._swap import (
 )
 from zero3.core.params._params import ParamOffloadError, ShardedParam, ShardReadError
 
-__all__ = ["ParamSwap", "ParamSwapStats", "raise_if_any_rank_failed", "say_once"]
+__all__ = [
+    "ParamSwap",
+    "ParamSwapStats",
+    "PlannedShard",
+    "raise_if_any_rank_failed",
+    "say_once",
+]
 
 _log = logging.getLogger("zero3.core")
 _MAX_MESSAGE = 1024  # bytes of a failing rank's message shared with the others
@@ -107,6 +118,21 @@ class ParamSwapStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlannedShard:
+    """A parameter shard that may be offloaded, known by its size before it exists.
+
+    Attributes:
+        index: The parameter's index (``named_parameters()`` order).
+        numel: Its shard's elements (``shard_numel``).
+        dtype: The shard's dtype (after any ``param_dtype`` cast).
+    """
+
+    index: int
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
 class _Region:
     offset: int
     numel: int  # the shard's elements (shard_numel)
@@ -116,20 +142,22 @@ class _Region:
 class ParamSwap:
     """This rank's offloaded parameter shards and their swap file (a ``ShardHome``).
 
-    Made by the model state when ``offload_param.device`` is ``"nvme"``.
+    Made by the model state when ``offload_param.device`` is ``"nvme"``, before the
+    parameters are cut: the shards go to the file as they are made (:meth:`store`), and
+    each :class:`ShardedParam` is handed over once it exists (:meth:`adopt`).
 
     Args:
-        params: The model's sharded parameters (persistent ones and a world of one's
-            stay in memory).
+        plan: The shards of the sharded parameters in parameter order (persistent ones
+            and a world of one's stay in memory).
         config: The ``offload_param`` section.
         aio: How the file is read and written.
         rank: This rank (names the directory).
-        all_reduce: The model's small all-reduce (agreeing on write errors).
+        all_reduce: The model's small all-reduce (agreeing on write errors at steps).
     """
 
     def __init__(
         self,
-        params: Sequence[ShardedParam],
+        plan: Sequence[PlannedShard],
         config: OffloadParamConfig,
         aio: AioConfig,
         rank: int,
@@ -145,22 +173,19 @@ class ParamSwap:
         self._resident: dict[int, tuple[ShardedParam, int]] = {}  # index -> (sp, version)
         self._edited: set[int] = set()
         self._write_error: BaseException | None = None
-        candidates = [sp for sp in params if not sp.persistent and not sp.aliases_param]
+        #: The offloaded parameters (filled by :meth:`adopt`).
+        self.params: list[ShardedParam] = []
         self.kept_numel = 0
-        chosen = []
-        for sp in candidates:
-            if self.kept_numel + sp.shard_numel <= config.max_in_cpu:
-                self.kept_numel += sp.shard_numel
-            else:
-                chosen.append(sp)
-        self.params = chosen
-        self._dir, _ = make_swap_dir(Path(str(config.nvme_path)), "params", rank)
         cursor = 0
-        for sp in chosen:
-            nbytes = sp.shard_numel * sp.itemsize
-            self._regions[sp.index] = _Region(cursor, sp.shard_numel, nbytes)
+        for shard in plan:
+            if self.kept_numel + shard.numel <= config.max_in_cpu:
+                self.kept_numel += shard.numel
+                continue
+            nbytes = shard.numel * shard.dtype.itemsize
+            self._regions[shard.index] = _Region(cursor, shard.numel, nbytes)
             cursor += round_up(nbytes)
         self.file_bytes = cursor
+        self._dir, _ = make_swap_dir(Path(str(config.nvme_path)), "params", rank)
         self._pool = IOPool(aio.thread_count, name=f"zero3-param-io-r{rank}")
         # The file goes when this object does, or at exit (also after an error).
         self._files = _Files(self._dir, self._pool)
@@ -171,10 +196,29 @@ class ParamSwap:
         self._files.file = self._file
         if cursor:
             self._file.reserve(cursor)
-        for sp in chosen:
-            self._write(self._regions[sp.index], self._buffer_of(sp, sp._shard))
-            sp.home = self
-            sp.shard = _empty(sp)
+
+    def offloads(self, index: int) -> bool:
+        """Whether parameter ``index``'s shard lives in the file."""
+        return index in self._regions
+
+    def store(self, index: int, shard: torch.Tensor) -> torch.Tensor:
+        """A shard just cut at construction: written to the file if it is offloaded
+        (then an empty tensor comes back for the parameter to hold), else ``shard``.
+        """
+        if index not in self._regions:
+            return shard
+        self._queue_write(index, shard.dtype, shard)
+        return torch.empty(0, dtype=shard.dtype, device=shard.device)
+
+    def adopt(self, sp: ShardedParam) -> None:
+        """Take over ``sp``'s shard (one :meth:`offloads` says yes to): a shard it still
+        holds in memory (cut without :meth:`store`) is written out now.
+        """
+        self.params.append(sp)
+        if sp._shard.numel():
+            self._queue_write(sp.index, sp.param.dtype, sp._shard)
+        sp.home = self
+        sp.shard = _empty(sp)
 
     # -- what is where ----------------------------------------------------------------------
 
@@ -273,7 +317,7 @@ class ParamSwap:
         tensor = sp._shard
         if tensor._version != entry[1]:
             self._edited.add(sp.index)
-            self._queue_write(sp, tensor)
+            self._queue_write(sp.index, sp.param.dtype, tensor)
         sp.shard = _empty(sp)
 
     def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
@@ -282,31 +326,32 @@ class ParamSwap:
         sp.shard = _empty(sp)
         if edit:
             self._edited.add(sp.index)
-        self._queue_write(sp, values)
+        self._queue_write(sp.index, sp.param.dtype, values)
 
-    def _buffer_of(self, sp: ShardedParam, values: torch.Tensor) -> AlignedBuffer:
-        """A page-aligned buffer of ``sp``'s region holding ``values`` (the first
-        elements; the rest, the padding, stays zero).
+    def _buffer_of(self, index: int, dtype: torch.dtype, values: torch.Tensor) -> AlignedBuffer:
+        """A page-aligned buffer of parameter ``index``'s region holding ``values`` (the
+        first elements, as ``dtype``; the rest, the padding, stays zero).
         """
-        region = self._regions[sp.index]
+        region = self._regions[index]
         buf = AlignedBuffer(region.nbytes)
-        shard = buf.tensor[: region.nbytes].view(sp.param.dtype)
+        shard = buf.tensor[: region.nbytes].view(dtype)
         shard[: values.numel()].copy_(values.reshape(-1))
         return buf
 
-    def _queue_write(self, sp: ShardedParam, values: torch.Tensor) -> None:
-        buf = self._buffer_of(sp, values)
-        stale = self._reads.pop(sp.index, None)
+    def _queue_write(self, index: int, dtype: torch.dtype, values: torch.Tensor) -> None:
+        buf = self._buffer_of(index, dtype, values)
+        stale = self._reads.pop(index, None)
         if stale is not None:  # a read ahead of older bytes: let it finish, drop it
             self._wait_quietly(stale)
-        pending = self._writes.pop(sp.index, None)
+        pending = self._writes.pop(index, None)
         if pending is not None:
             self._wait_quietly(pending)
-        region = self._regions[sp.index]
-        self._writes[sp.index] = self._pool.submit(functools.partial(self._write, region, buf))
+        region = self._regions[index]
+        self._writes[index] = self._pool.submit(functools.partial(self._write, region, buf))
         self.stats.written_bytes += region.nbytes
         # At most buffer_count writes (and their buffers) in flight: an optimizer step
-        # writes every shard, and all of them at once would be the whole model's shards.
+        # (or construction) writes every shard, and all of them at once would be the
+        # whole model's shards.
         while len(self._writes) > self.config.buffer_count:
             self._wait_quietly(self._writes.pop(next(iter(self._writes))))
 
@@ -326,6 +371,14 @@ class ParamSwap:
             self._wait_quietly(future)
         error, self._write_error = self._write_error, None
         return error
+
+    def finish_build(self, all_reduce: AllReduce, device: torch.device) -> None:
+        """Wait for construction's writes; every rank raises if any rank's failed (a
+        collective on ``all_reduce``). :attr:`stats` count from here.
+        """
+        error = self.flush()
+        self.stats = ParamSwapStats()
+        raise_if_any_rank_failed(all_reduce, self._rank, device, error, _offload_error)
 
     def settle(self, device: torch.device, *, agree: bool = True) -> None:
         """Drop every resident shard (writing back edited ones) and wait for the writes;

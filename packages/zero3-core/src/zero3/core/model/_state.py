@@ -33,7 +33,12 @@ from zero3.core.model._adopt import (
     prepare_params,
     relabel,
 )
-from zero3.core.model._param_offload import ParamSwap, raise_if_any_rank_failed, say_once
+from zero3.core.model._param_offload import (
+    ParamSwap,
+    PlannedShard,
+    raise_if_any_rank_failed,
+    say_once,
+)
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
 from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
@@ -116,6 +121,8 @@ class ShardedModelState:
         self.control = comm.host_channel()
         self.guard = CollectiveGuard(self.control, comm.rank, self._module_name)
         check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
+        #: Where ``offload_param: nvme`` keeps the parameter shards (None: in memory).
+        self.param_swap: ParamSwap | None = None
         self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
@@ -142,8 +149,6 @@ class ShardedModelState:
         )
         for sp in self.params:  # param.grad asks the reducer (parameters unfrozen later too)
             sp.grads = self.step
-        #: Where ``offload_param: nvme`` keeps the parameter shards (None: in memory).
-        self.param_swap: ParamSwap | None = self._offload_params()
         self.coordinator.shard_home = self.param_swap
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
@@ -155,21 +160,23 @@ class ShardedModelState:
         #: Counts adoptions (:meth:`adopt`): the hooks install theirs on new modules.
         self.structure_version = 0
 
-    def _offload_params(self) -> ParamSwap | None:
-        """Move the parameter shards to their swap file (``offload_param``), agreed by
-        every rank: one that cannot create or fill its file fails them all.
+    def _open_param_swap(self, named: list[tuple[str, nn.Parameter]]) -> ParamSwap | None:
+        """The swap file ``offload_param: nvme`` streams the shards into, laid out from
+        the parameters' sizes before any is cut; agreed by every rank: one that cannot
+        create its file fails them all, before anything is built.
         """
         section = self.config.offload_param
         if not section.enabled:
             return None
-        device = self.params[0].device if self.params else self.comm.device()
+        device = next((p.device for _, p in named if not p.is_meta), self.comm.device())
         if device.type != "cpu":
             raise NotImplementedError(
                 f"offload_param {section.device!r} with parameters on {device} is not "
                 "implemented yet (only CPU-resident shards); set offload_param "
                 '{"device": "none"}'
             )
-        if section.device == "cpu" or self.comm.world_size == 1:
+        world = self.comm.world_size
+        if section.device == "cpu" or world == 1:
             why = (
                 "the shards are in host memory already on a CPU run"
                 if section.device == "cpu"
@@ -177,15 +184,19 @@ class ShardedModelState:
             )
             say_once(f"zero3: offload_param {section.device}: nothing moves ({why})")
             return None
+        plan = [
+            PlannedShard(index, -(-param.numel() // world), self.config.param_dtype or param.dtype)
+            for index, (_, param) in enumerate(named)
+            if not is_persistent(param.numel(), world, self.config)
+        ]
         swap: ParamSwap | None = None
         error: BaseException | None = None
         try:
-            swap = ParamSwap(self.params, section, self.config.aio, self.comm.rank,
-                             self.all_reduce)  # fmt: skip
+            swap = ParamSwap(plan, section, self.config.aio, self.comm.rank, self.all_reduce)
         except (SwapError, OSError) as exc:
             error = exc
         raise_if_any_rank_failed(
-            self.all_reduce, self.comm.rank, self.grad_comm.device(), error,
+            self._build_all_reduce, self.comm.rank, self.grad_comm.device(), error,
             lambda message: ParamOffloadError(f"zero3: parameter offload failed on {message}"),
         )  # fmt: skip
         assert swap is not None
@@ -194,9 +205,15 @@ class ShardedModelState:
                 "zero3: offload_param nvme: %s shard elements per rank stay in host memory "
                 "(offload_param.max_in_cpu = %s); %s go to %s",
                 f"{swap.kept_numel:,}", f"{section.max_in_cpu:,}",
-                f"{sum(sp.shard_numel for sp in swap.params):,}", swap.path.parent,
+                f"{sum(s.numel for s in plan) - swap.kept_numel:,}", swap.path.parent,
             )  # fmt: skip
         return swap
+
+    def _build_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """The small all-reduce of construction (the step's :meth:`all_reduce` names a
+        step in its timeout messages).
+        """
+        self.grad_comm.all_reduce(tensor, op=op).wait()
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -264,11 +281,19 @@ class ShardedModelState:
                 broadcast_from_rank0(self.comm, tensors)
             elif not self.config.sync_module_states:
                 check_eager_agree(self.comm, eager_named)
-            shards = builder.run()
-            return [
+            # The swap file, if any, is opened only now: every check above has passed.
+            swap = self.param_swap = self._open_param_swap(named)
+            shards = builder.run(keep=swap.store if swap is not None else None)
+            params = [
                 self._shard(index, name, param, shards.get(index))
                 for index, (name, param) in enumerate(named)
             ]
+            if swap is not None:
+                for sp in params:
+                    if swap.offloads(sp.index):
+                        swap.adopt(sp)
+                swap.finish_build(self._build_all_reduce, self.grad_comm.device())
+            return params
 
     def _direct_params(self) -> list[list[ShardedParam]]:
         """For each module, the sharded parameters it owns directly (records owners)."""

@@ -31,12 +31,14 @@ from zero3.core.state_dict._full import LoadResult, match_keys, state_dict_entri
 from zero3.core.state_dict._groups import global_ranks
 
 __all__ = [
+    "OffloadedShard",
     "finish_module_state_dict",
     "load_module_entry",
     "load_sharded_state_dict",
     "local_flat",
     "sharded_like",
     "sharded_state_dict",
+    "streamed_sharded_state_dict",
 ]
 
 
@@ -174,6 +176,76 @@ def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
             made[id(tensor)] = _entry(tensor)
         out[key] = made[id(tensor)]
     return out
+
+
+class OffloadedShard:
+    """A parameter shard that ``offload_param`` keeps in its swap file, as a deferred
+    checkpoint entry (``zero3.core.engine.DeferredTensor``): the state dict views a
+    placeholder, a save reads the values when it writes them, a load writes them to the
+    file as soon as they are all in.
+
+    Args:
+        sp: The offloaded parameter.
+        placeholder: ``sp.local_numel`` elements of a scratch tensor all the placeholders
+            of a state dict share (never read or written: only its sizes count).
+        update_masters: Whether a load also sets an optimizer's fp32 master.
+    """
+
+    def __init__(
+        self, sp: ShardedParam, placeholder: torch.Tensor, update_masters: bool = True
+    ) -> None:
+        self.sp = sp
+        self.placeholder = placeholder
+        self.update_masters = update_masters
+
+    def read(self) -> torch.Tensor:
+        """This rank's real elements, read back now (the model lets them go at once)."""
+        return _local_values(self.sp)
+
+    def write(self, values: torch.Tensor) -> None:
+        """Set this rank's real elements (to the swap file)."""
+        with torch.no_grad():
+            self.sp.write_local(values, masters=self.update_masters)
+
+
+def streamed_sharded_state_dict(
+    module: nn.Module, *, update_masters: bool = True
+) -> tuple[dict[str, Any], dict[str, OffloadedShard]]:
+    """:func:`sharded_state_dict`, except that the shards parameter offload keeps out of
+    memory are not read: their entries view placeholders, returned by key, that a
+    checkpoint planner reads when it saves them and writes when it loads them, one at
+    a time (``zero3.core.engine.CheckpointSavePlanner`` / ``CheckpointLoadPlanner``).
+    Only those planners may be given such a state dict.
+
+    Args:
+        module: The sharded module.
+        update_masters: Whether a load through the planner sets optimizers' masters too.
+    """
+    sharded_state(module)
+    entries = list(state_dict_entries(module))
+    out: dict[str, Any] = {}
+    deferred: dict[str, OffloadedShard] = {}
+    made: dict[int, tuple[Any, OffloadedShard | None]] = {}
+    # One scratch tensor per dtype, as long as the longest offloaded shard: placeholders
+    # of real tensors (DCP refuses ShardedTensors on meta), untouched, so no memory.
+    longest: dict[torch.dtype, int] = {}
+    for _, _, tensor in entries:
+        sp = lookup(tensor)
+        if sp is not None and sp.home is not None and not sp.resident and sp.local_numel:
+            longest[sp.dtype] = max(longest.get(sp.dtype, 0), sp.local_numel)
+    scratch = {dtype: torch.empty(n, dtype=dtype) for dtype, n in longest.items()}
+    for key, _, tensor in entries:
+        if id(tensor) not in made:
+            sp = lookup(tensor)
+            if sp is not None and sp.dtype in scratch and not sp.resident and sp.local_numel:
+                entry = OffloadedShard(sp, scratch[sp.dtype][: sp.local_numel], update_masters)
+                made[id(tensor)] = (sharded_like(sp, entry.placeholder), entry)
+            else:
+                made[id(tensor)] = (_entry(tensor), None)
+        out[key], found = made[id(tensor)]
+        if found is not None:
+            deferred[key] = found
+    return out, deferred
 
 
 def _entry(tensor: torch.Tensor) -> Any:
