@@ -51,7 +51,12 @@ from zero3.core.grads._reduce_paths import (
     ReduceScatterPath,
     Reduction,
 )
-from zero3.core.model._param_offload import ParamSwap, ParamSwapStats, raise_if_any_rank_failed
+from zero3.core.model._param_offload import (
+    ParamSwap,
+    ParamSwapStats,
+    PlannedShard,
+    raise_if_any_rank_failed,
+)
 from zero3.core.model._state import (
     ShardedModelState,
     mark_leaf,
@@ -67,6 +72,7 @@ from zero3.core.params._trace import TraceState
 from zero3.core.state_dict._full import full_state_dict, load_full_state_dict
 from zero3.core.state_dict._groups import checkpoint_group
 from zero3.core.state_dict._sharded import (
+    OffloadedShard,
     finish_module_state_dict,
     load_module_entry,
     local_flat,
@@ -94,11 +100,13 @@ __all__ = [
     "IOPool",
     "LeafTarget",
     "Moment",
+    "OffloadedShard",
     "OpKind",
     "ParamStatus",
     "ParamSwap",
     "ParamSwapStats",
     "Phase",
+    "PlannedShard",
     "ReducePath",
     "ReduceScatterPath",
     "Reduction",

@@ -54,8 +54,7 @@ from zero3.core.engine import (
     sharded_state,
     streamed_sharded_state_dict,
 )
-from zero3.optim._optim_checkpoint import load_template
-from zero3.optim._optimizer import PartitionedOptimizer
+from zero3.optim._optimizer import PartitionedOptimizer, StreamedLoad
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -209,6 +208,8 @@ def load_checkpoint(
     target = Path(path)
     group = checkpoint_group(module)
     template: dict[str, Any] = {}
+    later: dict[tuple[str, ...], DeferredTensor] = {}
+    incoming: StreamedLoad | None = None
     reader: CheckpointReader | None = None
     error: BaseException | None = None
     try:
@@ -217,6 +218,7 @@ def load_checkpoint(
         template[_L.model], deferred = streamed_sharded_state_dict(
             module, update_masters=optimizer is None
         )
+        later = {(_L.model, k): v for k, v in deferred.items()}
         with quiet_dcp_warnings():
             _check_model(reader, template[_L.model])
         template[_L.extra] = reader.template(_L.extra)
@@ -227,7 +229,10 @@ def load_checkpoint(
                     "optimizer=; load it with optimizer=None (weights only)"
                 )
             _check_optimizer_class(reader, optimizer)
-            template[_L.optim] = load_template(optimizer._parts(), reader)
+            # Offloaded records are filled and written one at a time (not read first).
+            incoming = optimizer.streamed_load(reader)
+            template[_L.optim] = incoming.template
+            later.update({(_L.optim, *k): v for k, v in incoming.deferred.items()})
     except CheckpointError as exc:
         error = exc
     raise_on_every_rank(group, error)
@@ -236,7 +241,7 @@ def load_checkpoint(
         dcp_load(
             template,
             storage_reader=reader.storage,
-            planner=CheckpointLoadPlanner({(_L.model, k): v for k, v in deferred.items()}),
+            planner=CheckpointLoadPlanner(later),
             process_group=group,
             no_dist=group is None,
         )
@@ -244,8 +249,8 @@ def load_checkpoint(
     # The deferred entries are in the model already (and their placeholders hold nothing).
     loaded = {k: v for k, v in template[_L.model].items() if k not in deferred}
     load_model_state(module, loaded, strict=not deferred, update_masters=optimizer is None)
-    if optimizer is not None:
-        optimizer.load_sharded_state_dict(template[_L.optim])
+    if incoming is not None:
+        incoming.finish()
     extra = template[_L.extra]
     return dict(extra) if isinstance(extra, Mapping) else {}
 

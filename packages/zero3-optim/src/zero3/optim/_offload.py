@@ -35,7 +35,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -457,6 +457,28 @@ class OffloadStore:
         self._settle_ahead()
         return RecordReader(self, [s for s in self._slots.values() if s.on_disk and not s.resident])
 
+    def record_loads(
+        self, saved: Mapping[int, Mapping[EntryKey, torch.dtype]]
+    ) -> dict[int, RecordLoad]:
+        """For a streamed load: a :class:`RecordLoad` per offloaded sub-group (by
+        ``id``), from the checkpoint's entries for its members (``saved``, by ``id``
+        of the sub-group). What the records held is dropped first.
+        """
+        self._settle_ahead()
+        longest: dict[torch.dtype, int] = {}
+        for slot in self._slots.values():
+            if slot.resident:  # replaced by the load: nothing to write back
+                slot.layout, slot.nbytes = self._layout(slot)
+                self._release(slot)
+            for (_, k, _), dtype in saved.get(id(slot.sg), {}).items():
+                n = slot.sg.params[k].local_numel
+                longest[dtype] = max(longest.get(dtype, 0), n)
+        scratch = {dtype: torch.empty(n, dtype=dtype) for dtype, n in longest.items()}
+        return {
+            key: RecordLoad(self, slot, saved.get(key, {}), scratch)
+            for key, slot in self._slots.items()
+        }
+
     # -- the step walk --------------------------------------------------------------------
 
     def run(self, batches: Sequence[Sequence[SubGroup]], step: StepBatch) -> None:
@@ -511,6 +533,11 @@ class RecordEntry:
     seg: _Seg
     start: int
     placeholder: torch.Tensor
+
+    @property
+    def group(self) -> str:
+        """Its record."""
+        return f"record{self.slot.index:06d}"
 
     def read(self) -> torch.Tensor:
         """This parameter's elements, from the record (read if it is not the last)."""
@@ -572,6 +599,125 @@ class RecordReader:
                 raise OffloadError(f"optimizer offload: cannot read a record back: {exc}") from exc
         buf = self._current[1]
         return buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize].view(seg.dtype)
+
+
+#: A member's entry in a record: ("master" or "state", member index, state key).
+EntryKey = tuple[str, int, str]
+
+
+class RecordLoad:
+    """One offloaded record loaded from a checkpoint without the others: laid out from
+    the checkpoint's entries for its members, filled as DCP reads them, written to its
+    file and let go once complete (:meth:`finish`). Members without a saved master take
+    it from the model's shard, loaded by then (the model's entries are read first).
+
+    Args:
+        store: The optimizer's offload store.
+        slot: The record.
+        saved: The checkpoint's entries for the slot's members, with their dtypes.
+        scratch: Placeholders' storage by dtype (see :class:`RecordReader`).
+    """
+
+    def __init__(
+        self,
+        store: OffloadStore,
+        slot: _Slot,
+        saved: Mapping[EntryKey, torch.dtype],
+        scratch: Mapping[torch.dtype, torch.Tensor],
+    ) -> None:
+        self._store, self._slot = store, slot
+        sg, flat = slot.sg, store._flat
+        owner_dtypes = [t.dtype for t in _owners(sg, flat)]
+        segs: dict[tuple[int, str], _Seg] = {}  # (owner, key) -> its segment
+        cursor = 0
+        if slot.swap_master:
+            segs[(-1, "")] = _Seg(-1, "", torch.float32, sg.numel, 0)
+            cursor = sg.numel * 4
+        for kind, k, key in sorted(saved):
+            owner = 0 if flat else k
+            if kind != "state" or (owner, key) in segs:
+                continue
+            dtype = saved[(kind, k, key)]
+            if dtype.is_floating_point:  # as the wrapped optimizer's load casts it
+                dtype = owner_dtypes[owner]
+            numel = sg.numel if flat else sg.params[k].local_numel
+            cursor = round_up(cursor, _ALIGN)
+            segs[(owner, key)] = _Seg(owner, key, dtype, numel, cursor)
+            cursor += numel * dtype.itemsize
+        self._segs = segs
+        self.layout, self.nbytes = tuple(segs.values()), round_up(cursor)
+        wanted = [e for e in saved if e[0] == "state" or slot.swap_master]
+        self._left = set(wanted)
+        #: The deferred checkpoint entries that fill it.
+        self.entries = {
+            e: _RecordPut(self, e, scratch[saved[e]][: sg.params[e[1]].local_numel]) for e in wanted
+        }
+        self._buf: AlignedBuffer | None = None
+        self.done = False
+
+    def put(self, entry: EntryKey, values: torch.Tensor) -> None:
+        """One member's loaded values into the record; the last one writes it."""
+        kind, k, key = entry
+        flat = self._store._flat
+        seg = self._segs[(-1, "") if kind == "master" else (0 if flat else k, key)]
+        start = self._slot.sg.offsets[k] if seg.owner < 0 or flat else 0
+        self._view(seg)[start : start + values.numel()].copy_(values)
+        self._left.discard(entry)
+        if not self._left:
+            self.finish()
+
+    def _view(self, seg: _Seg) -> torch.Tensor:
+        if self._buf is None:
+            self._buf = AlignedBuffer(self.nbytes)  # zero-filled: gaps and padding
+        region = self._buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize]
+        return region.view(seg.dtype)
+
+    def finish(self) -> None:
+        """Masters the checkpoint lacks from the model's shards; write; let go. A record
+        of which nothing was saved (and no master to keep) holds no state.
+        """
+        if self.done:
+            return
+        self.done = True
+        slot = self._slot
+        slot.layout, slot.nbytes = self.layout, self.nbytes
+        slot.resident, slot.buffer = False, None
+        if not self.layout:
+            slot.on_disk = False  # the wrapped optimizer starts its state afresh
+            return
+        if slot.swap_master:
+            master = self._view(self._segs[(-1, "")])
+            for k, sp in enumerate(slot.sg.params):
+                if ("master", k, "") not in self.entries:
+                    start = slot.sg.offsets[k]
+                    master[start : start + sp.local_numel].copy_(sp.shard[: sp.local_numel])
+                    if sp.home is not None:  # read back for this copy only
+                        sp.home.drop(sp)
+        buf = self._buf if self._buf is not None else AlignedBuffer(self.nbytes)
+        self._buf = None
+        self._store._write(slot, buf)
+        slot.on_disk = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordPut:
+    """A deferred checkpoint entry for loading one member's master or state into a
+    :class:`RecordLoad` (``zero3.core.engine.DeferredTensor``).
+    """
+
+    record: RecordLoad
+    key: EntryKey
+    placeholder: torch.Tensor
+
+    @property
+    def group(self) -> str:
+        return f"record{self.record._slot.index:06d}"
+
+    def read(self) -> torch.Tensor:
+        raise NotImplementedError("a record being loaded is not saved")
+
+    def write(self, values: torch.Tensor) -> None:
+        self.record.put(self.key, values)
 
 
 class _Walk:

@@ -46,8 +46,10 @@ __all__ = [
     "EntriesOf",
     "OptimizerParts",
     "SubGroup",
+    "add_deferred_loads",
     "load_sharded_state",
     "load_template",
+    "saved_entries",
     "sharded_state",
     "streamed_sharded_state",
 ]
@@ -329,12 +331,54 @@ def _flat_buffer(
     return flat
 
 
-def load_template(opt: OptimizerParts, reader: CheckpointReader) -> dict[str, Any]:
+def saved_entries(
+    opt: OptimizerParts, reader: CheckpointReader
+) -> dict[int, dict[tuple[str, int, str], torch.dtype]]:
+    """The checkpoint's masters and per-element state for each sub-group's members, by
+    ``id`` of the sub-group: {("master" or "state", member, key): saved dtype}.
+    """
+    masters = set(reader.section_keys(_L.optim, "master"))
+    states = set(reader.section_keys(_L.optim, "state"))
+    out: dict[int, dict[tuple[str, int, str], torch.dtype]] = {}
+    for sg, k, sp in _members(opt):
+        entries = out.setdefault(id(sg), {})
+        if sp.name in masters:
+            entries[("master", k, "")] = reader.entry_dtype(_L.fqn(_L.optim, "master", sp.name))
+        if sp.name in states:
+            for key in reader.section_keys(_L.optim, "state", sp.name):
+                fqn = _L.fqn(_L.optim, "state", sp.name, key)
+                entries[("state", k, key)] = reader.entry_dtype(fqn)
+    return out
+
+
+def add_deferred_loads(
+    opt: OptimizerParts,
+    template: dict[str, Any],
+    entries_of: EntriesOf,
+) -> dict[tuple[str, ...], DeferredTensor]:
+    """Put the deferred entries ``entries_of`` gives for a sub-group into ``template``
+    (in place of the destinations :func:`load_template` skipped for it); returns them
+    by key path within the optimizer section.
+    """
+    deferred: dict[tuple[str, ...], DeferredTensor] = {}
+    for sg in opt.subgroups:
+        entries = entries_of(sg)
+        if entries is None:
+            continue
+        for k, sp in enumerate(sg.params):
+            _add_deferred(sp, k, entries, template["master"], template["state"], deferred)
+    return deferred
+
+
+def load_template(
+    opt: OptimizerParts, reader: CheckpointReader, skip: frozenset[int] = frozenset()
+) -> dict[str, Any]:
     """Destinations for ``dcp.load`` of a checkpoint's optimizer section.
 
     Masters and per-element state of this rank land in place (the masters, the
     existing state tensors) or in new buffers (a fresh optimizer has no state yet);
-    plain values get placeholders DCP fills.
+    plain values get placeholders DCP fills. Sub-groups in ``skip`` (by ``id``) get no
+    master or state destinations (a streamed load defers them).
     """
     by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
     stray = [
@@ -351,11 +395,14 @@ def load_template(opt: OptimizerParts, reader: CheckpointReader) -> dict[str, An
     masters = {}
     for name in reader.section_keys(_L.optim, "master"):
         sg, k = by_name[name]
-        masters[name] = sharded_like(sg.params[k], sg.views[k])
+        if id(sg) not in skip:
+            masters[name] = sharded_like(sg.params[k], sg.views[k])
     state: dict[str, dict[str, Any]] = {}
     fresh: dict[tuple[int, str], torch.Tensor] = {}
     for name in reader.section_keys(_L.optim, "state"):
         sg, k = by_name[name]
+        if id(sg) in skip:
+            continue
         for key in reader.section_keys(_L.optim, "state", name):
             dtype = reader.entry_dtype(_L.fqn(_L.optim, "state", name, key))
             local = _state_buffer(opt, sg, k, key, dtype, fresh)

@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from zero3.comm import ReduceOp
-from zero3.core.engine import ShardedModelState, ShardedParam, sharded_param, sharded_state
+from zero3.core.engine import (
+    CheckpointReader,
+    ShardedModelState,
+    ShardedParam,
+    sharded_param,
+    sharded_state,
+)
 from zero3.optim import _optim_checkpoint
 from zero3.optim._loss_scale import LossScaler
 from zero3.optim._offload import OffloadStats, OffloadStore
@@ -104,6 +110,38 @@ def _foreign_param_message(
         "of this sharded module; pass the module zero3.hooks.shard_module returned and its "
         "own parameters"
     )
+
+
+@dataclasses.dataclass
+class StreamedLoad:
+    """A checkpoint's optimizer section on its way in
+    (:meth:`~zero3.optim.PartitionedOptimizer.streamed_load`).
+
+    Attributes:
+        template: The destinations to give ``dcp.load`` (with the deferred entries).
+        deferred: The deferred entries by key path within the optimizer section, for
+            ``zero3.core.engine.CheckpointLoadPlanner``.
+    """
+
+    template: dict[str, Any]
+    deferred: dict[tuple[str, ...], Any]
+    _optimizer: PartitionedOptimizer
+    _records: Mapping[int, Any]
+
+    def finish(self) -> None:
+        """After ``dcp.load`` (and the model's load): load what is in memory."""
+        loaded = {
+            section: {k: v for k, v in values.items() if (section, k) not in self.deferred}
+            if section == "master"
+            else values
+            for section, values in self.template.items()
+        }
+        if "state" in loaded:
+            loaded["state"] = {
+                name: {k: v for k, v in keys.items() if ("state", name, k) not in self.deferred}
+                for name, keys in loaded["state"].items()
+            }
+        self._optimizer._load_streamed(loaded, self._records)
 
 
 class PartitionedOptimizer(torch.optim.Optimizer):
@@ -509,6 +547,39 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             return self.sharded_state_dict(), {}
         reader = self._offload.record_reader()
         return _optim_checkpoint.streamed_sharded_state(self._parts(bring_in=False), reader.entries)
+
+    def streamed_load(self, reader: CheckpointReader) -> StreamedLoad:
+        """Destinations for loading a checkpoint's optimizer section without reading the
+        records optimizer offload keeps in swap files: each offloaded record is filled
+        from the checkpoint, written to its file and let go before the next
+        (``load_checkpoint`` uses it; see :class:`~zero3.optim._optimizer.StreamedLoad`).
+        """
+        if self._offload is None or not self._offload.nvme:
+            template = _optim_checkpoint.load_template(self._parts(), reader)
+            return StreamedLoad(template, {}, self, {})
+        parts = self._parts(bring_in=False)
+        records = self._offload.record_loads(_optim_checkpoint.saved_entries(parts, reader))
+        template = _optim_checkpoint.load_template(parts, reader, skip=frozenset(records))
+
+        def entries_of(sg: _optim_checkpoint.SubGroup) -> Any:
+            record = records.get(id(sg))
+            return None if record is None else record.entries
+
+        deferred = _optim_checkpoint.add_deferred_loads(parts, template, entries_of)
+        return StreamedLoad(template, deferred, self, records)
+
+    def _load_streamed(self, state_dict: Mapping[str, Any], records: Mapping[int, Any]) -> None:
+        """The rest of a :class:`StreamedLoad`: records not filled up yet (masters from
+        the model), then what is in memory, as :meth:`load_sharded_state_dict`.
+        """
+        for record in records.values():
+            record.finish()
+        _optim_checkpoint.load_sharded_state(self._parts(bring_in=not records), state_dict)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        with torch.no_grad():
+            self._write_back()
+            self._offload_again()
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict` contents (filled by ``dcp.load``, at any world

@@ -454,9 +454,15 @@ class CheckpointStorageReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan's items, checked, into the planner's tensors and values."""
-        # In key order, whatever file each chunk is in: a tensor's chunks come one after
-        # another (a deferred entry is then whole, written and let go before the next).
-        items = sorted(plan.items, key=lambda item: item.dest_index.fqn)
+        # In key order (deferred entries last, by group), whatever file each chunk is in:
+        # a tensor's chunks come one after another, so a deferred entry (or group) is
+        # whole, written and let go before the next.
+        order = (
+            planner.read_order
+            if isinstance(planner, CheckpointLoadPlanner)
+            else lambda item: ("", item.dest_index.fqn)
+        )
+        items = sorted(plan.items, key=order)
         with contextlib.ExitStack() as files:
             opened: dict[str, IO[bytes]] = {}
             for item in items:
@@ -524,6 +530,14 @@ class DeferredTensor(Protocol):
     @property
     def placeholder(self) -> torch.Tensor:
         """The flat tensor (no bytes) the state dict's entry views."""
+        ...
+
+    @property
+    def group(self) -> str:
+        """The name of the entries a load reads together. A load reads every entry that
+        is not deferred first, then the deferred ones group by group, so that a group
+        (an offloaded record) is filled, written and let go before the next.
+        """
         ...
 
     def read(self) -> torch.Tensor:
@@ -611,6 +625,14 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         view = _as_view_of(self.lookup_tensor(read_item.dest_index), entry.placeholder, values)
         narrowed: torch.Tensor = self.transform_tensor(read_item, view)
         return narrowed
+
+    def read_order(self, read_item: ReadItem) -> tuple[str, str]:
+        """Where the reader takes ``read_item`` (see :attr:`DeferredTensor.group`): what
+        is not deferred first, then deferred entries by group, each in key order.
+        """
+        fqn = read_item.dest_index.fqn
+        entry = self._entry(fqn)
+        return ("" if entry is None else "\x01" + entry.group, fqn)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Count a deferred entry's elements; once all are in, write them and let go."""

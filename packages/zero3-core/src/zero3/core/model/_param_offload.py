@@ -374,7 +374,7 @@ class ParamSwap:
 
     def finish_build(self, all_reduce: AllReduce, device: torch.device) -> None:
         """Wait for construction's writes; every rank raises if any rank's failed (a
-        collective on ``all_reduce``). :attr:`stats` count from here.
+        collective on ``all_reduce``). ``stats`` count from here.
         """
         error = self.flush()
         self.stats = ParamSwapStats()

@@ -197,6 +197,7 @@ class OffloadedShard:
         self.sp = sp
         self.placeholder = placeholder
         self.update_masters = update_masters
+        self.group = ""  # each shard is written once whole: no group to keep together
 
     def read(self) -> torch.Tensor:
         """This rank's real elements, read back now (the model lets them go at once)."""
@@ -211,7 +212,7 @@ class OffloadedShard:
 def streamed_sharded_state_dict(
     module: nn.Module, *, update_masters: bool = True
 ) -> tuple[dict[str, Any], dict[str, OffloadedShard]]:
-    """:func:`sharded_state_dict`, except that the shards parameter offload keeps out of
+    """:func:`~zero3.core.sharded_state_dict`, except that the shards parameter offload keeps out of
     memory are not read: their entries view placeholders, returned by key, that a
     checkpoint planner reads when it saves them and writes when it loads them, one at
     a time (``zero3.core.engine.CheckpointSavePlanner`` / ``CheckpointLoadPlanner``).
