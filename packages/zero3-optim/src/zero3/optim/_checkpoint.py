@@ -36,6 +36,7 @@ from zero3.core import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     sharded_state_dict,
 )
 from zero3.core import load_sharded_state_dict as load_model_state
@@ -237,14 +238,25 @@ def load_checkpoint(
         error = exc
     raise_on_every_rank(group, error)
     assert reader is not None
+    planner = CheckpointLoadPlanner(later)
     with _failures("cannot load checkpoint", target), quiet_dcp_warnings():
         dcp_load(
             template,
             storage_reader=reader.storage,
-            planner=CheckpointLoadPlanner(later),
+            planner=planner,
             process_group=group,
             no_dist=group is None,
         )
+    unfilled = planner.unfilled()  # offloaded entries the checkpoint did not cover whole
+    raise_on_every_rank(
+        group,
+        CorruptCheckpointError(
+            f"corrupted checkpoint {target}: {unfilled[:3]} not read whole (its index "
+            "does not cover them)"
+        )
+        if unfilled
+        else None,
+    )
     # With an optimizer, its saved fp32 masters (loaded next) win over the rounded values.
     # The deferred entries are in the model already (and their placeholders hold nothing).
     loaded = {k: v for k, v in template[_L.model].items() if k not in deferred}

@@ -35,7 +35,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,10 +62,18 @@ if TYPE_CHECKING:
     from zero3.core import OffloadOptimizerConfig
     from zero3.optim._optim_checkpoint import SubGroup
 
-__all__ = ["OffloadError", "OffloadStats", "OffloadStore", "RecordEntry", "RecordReader"]
+__all__ = [
+    "ALIGN",
+    "OffloadError",
+    "OffloadStats",
+    "OffloadStore",
+    "Segment",
+    "Slot",
+    "owners_of",
+]
 
 _log = logging.getLogger("zero3.optim")
-_ALIGN = 64  # bytes between state segments: any dtype's view is aligned
+ALIGN = 64  # bytes between state segments: any dtype's view is aligned
 
 
 class OffloadError(RuntimeError):
@@ -93,7 +101,7 @@ class OffloadStats:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Seg:
+class Segment:
     owner: int  # position among the sub-group's optimizer tensors; -1: the master
     key: str
     dtype: torch.dtype
@@ -102,12 +110,12 @@ class _Seg:
 
 
 @dataclasses.dataclass(eq=False)
-class _Slot:
+class Slot:
     sg: SubGroup
     index: int
     file: SwapFile
     swap_master: bool
-    layout: tuple[_Seg, ...] = ()
+    layout: tuple[Segment, ...] = ()
     nbytes: int = 0
     reserved: int = 0
     on_disk: bool = False
@@ -120,7 +128,7 @@ def _say_once(message: str) -> None:
     _log.info(message)
 
 
-def _owners(sg: SubGroup, flat: bool) -> list[torch.Tensor]:
+def owners_of(sg: SubGroup, flat: bool) -> list[torch.Tensor]:
     return [sg.master] if flat and sg.master is not None else list(sg.views)
 
 
@@ -168,7 +176,7 @@ class OffloadStore:
         refuse_global_state(optimizer)
         count = math.ceil(self.config.ratio * len(subgroups) - 1e-9)
         self._offloaded = list(subgroups[:count])
-        self._slots: dict[int, _Slot] = {}
+        self._slots: dict[int, Slot] = {}
         self._dir: Path | None = None
         self._pool: IOPool | None = None
         # Reads started during the backward, by slot index (taken by the next walk).
@@ -199,7 +207,7 @@ class OffloadStore:
             self._swap_out_masters()
         except (SwapError, OSError) as exc:
             error = exc
-        self._agree(error)
+        self.agree(error)
         zstate.step.on_backward(self.read_ahead)
 
     # -- files ----------------------------------------------------------------------------
@@ -215,7 +223,7 @@ class OffloadStore:
             file = SwapFile(self._dir / f"subgroup{i:05d}.swp", direct=direct,
                             block_size=block_size)  # fmt: skip
             swap_master = sg.master is not None and not any(sg.aliased)
-            self._slots[id(sg)] = _Slot(sg, i, file, swap_master)
+            self._slots[id(sg)] = Slot(sg, i, file, swap_master)
         # Swap files go when the optimizer does, or at exit (also after an error).
         weakref.finalize(
             self, _cleanup, self._dir, self._pool, [s.file for s in self._slots.values()]
@@ -224,8 +232,8 @@ class OffloadStore:
     def _estimate(self, sg: SubGroup) -> int:
         """Swap bytes of a sub-group: its master plus two fp32 moments (Adam's)."""
         master = sg.numel * 4 if sg.master is not None and not any(sg.aliased) else 0
-        state = sum(v.numel() for v in _owners(sg, self._flat)) * 4 * 2
-        return round_up(master + state + _ALIGN * 8)
+        state = sum(v.numel() for v in owners_of(sg, self._flat)) * 4 * 2
+        return round_up(master + state + ALIGN * 8)
 
     @property
     def files(self) -> list[Path]:
@@ -278,9 +286,11 @@ class OffloadStore:
             if len(self._ahead) >= self.config.buffer_count:
                 break
             if not slot.resident and slot.on_disk:
-                self._ahead[slot.index] = self._pool.submit(functools.partial(self._read, slot))
+                self._ahead[slot.index] = self._pool.submit(
+                    functools.partial(self.read_record, slot)
+                )
 
-    def _settle_ahead(self) -> None:
+    def settle_ahead(self) -> None:
         """Wait for reads started ahead and drop them: the caller reads or writes the
         files itself (and meets any error there).
         """
@@ -291,19 +301,19 @@ class OffloadStore:
 
     def close(self) -> None:
         """Remove the swap files and stop the I/O threads."""
-        self._settle_ahead()
+        self.settle_ahead()
         _cleanup(self._dir, self._pool, [s.file for s in self._slots.values()])
         self._slots.clear()
 
     # -- layout, install, pack ------------------------------------------------------------
 
-    def _layout(self, slot: _Slot) -> tuple[tuple[_Seg, ...], int]:
+    def layout_of(self, slot: Slot) -> tuple[tuple[Segment, ...], int]:
         sg, segs, cursor = slot.sg, [], 0
         if slot.swap_master:
             assert sg.master is not None
-            segs.append(_Seg(-1, "", torch.float32, sg.numel, 0))
+            segs.append(Segment(-1, "", torch.float32, sg.numel, 0))
             cursor = sg.numel * 4
-        for k, owner in enumerate(_owners(sg, self._flat)):
+        for k, owner in enumerate(owners_of(sg, self._flat)):
             for key, value in self._optimizer.state.get(owner, {}).items():
                 if (
                     isinstance(value, torch.Tensor)
@@ -317,14 +327,14 @@ class OffloadStore:
                         "parameter) and scalars can be offloaded per sub-group"
                     )
                 if _per_element(owner, value):
-                    cursor = round_up(cursor, _ALIGN)
-                    segs.append(_Seg(k, key, value.dtype, value.numel(), cursor))
+                    cursor = round_up(cursor, ALIGN)
+                    segs.append(Segment(k, key, value.dtype, value.numel(), cursor))
                     cursor += value.numel() * value.element_size()
         return tuple(segs), round_up(cursor)
 
-    def _install(self, slot: _Slot, buf: AlignedBuffer) -> None:
+    def _install(self, slot: Slot, buf: AlignedBuffer) -> None:
         """Point the masters and state of ``slot`` at ``buf`` (just read)."""
-        sg, owners = slot.sg, _owners(slot.sg, self._flat)
+        sg, owners = slot.sg, owners_of(slot.sg, self._flat)
         for seg in slot.layout:
             region = buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize]
             values = region.view(seg.dtype)
@@ -350,12 +360,12 @@ class OffloadStore:
             if bool(edited.any()):
                 view[edited] = shard[edited].to(torch.float32)
 
-    def _pack(self, slot: _Slot) -> AlignedBuffer:
+    def _pack(self, slot: Slot) -> AlignedBuffer:
         """Gather ``slot``'s masters and state into one buffer and empty the tensors the
         optimizer holds; returns the buffer to write.
         """
-        sg, owners = slot.sg, _owners(slot.sg, self._flat)
-        layout, nbytes = self._layout(slot)
+        sg, owners = slot.sg, owners_of(slot.sg, self._flat)
+        layout, nbytes = self.layout_of(slot)
         old = slot.buffer
         buf = (
             old
@@ -369,12 +379,12 @@ class OffloadStore:
             if src.data_ptr() != dst.data_ptr():
                 dst.view(seg.dtype).copy_(src)
         slot.layout, slot.nbytes = layout, nbytes
-        self._release(slot)
+        self.release(slot)
         return buf
 
-    def _release(self, slot: _Slot) -> None:
+    def release(self, slot: Slot) -> None:
         """Drop the optimizer's references to ``slot``'s masters and state."""
-        sg, owners = slot.sg, _owners(slot.sg, self._flat)
+        sg, owners = slot.sg, owners_of(slot.sg, self._flat)
         for seg in slot.layout:
             if seg.owner >= 0:
                 state = self._optimizer.state[owners[seg.owner]]
@@ -387,7 +397,7 @@ class OffloadStore:
             sg.master.set_(_empty_like(sg.master))  # type: ignore[call-overload]
         slot.buffer, slot.resident = None, False
 
-    def _commit_shards(self, slot: _Slot) -> None:
+    def _commit_shards(self, slot: Slot) -> None:
         """Stepped masters into the shards before the masters leave (commit_step then
         finds no master to copy for them).
         """
@@ -397,13 +407,13 @@ class OffloadStore:
 
     # -- moving ---------------------------------------------------------------------------
 
-    def _write(self, slot: _Slot, buf: AlignedBuffer) -> None:
+    def write_record(self, slot: Slot, buf: AlignedBuffer) -> None:
         if slot.nbytes > slot.reserved:
             slot.file.reserve(slot.nbytes)
             slot.reserved = slot.nbytes
         slot.file.write(buf, slot.nbytes)
 
-    def _read(self, slot: _Slot) -> AlignedBuffer:
+    def read_record(self, slot: Slot) -> AlignedBuffer:
         buf = AlignedBuffer(slot.nbytes, pin=self._pin)
         slot.file.read(buf, slot.nbytes)
         return buf
@@ -411,34 +421,34 @@ class OffloadStore:
     def _swap_out_masters(self) -> None:
         """At construction: masters go to their files at once (nothing held)."""
         for slot in self._slots.values():
-            slot.layout, slot.nbytes = self._layout(slot)
+            slot.layout, slot.nbytes = self.layout_of(slot)
             if slot.nbytes == 0:
-                self._release(slot)
+                self.release(slot)
                 continue
             buf = self._pack(slot)
-            self._write(slot, buf)
+            self.write_record(slot, buf)
             slot.on_disk = True
 
     def bring_all_in(self) -> None:
         """Read every offloaded sub-group back (checkpoints, ``state_dict``); they stay
         in memory until the next step writes them out again.
         """
-        self._settle_ahead()
+        self.settle_ahead()
         error: BaseException | None = None
         try:
             for slot in self._slots.values():
                 if not slot.resident and slot.on_disk:
                     slot.file.check(slot.nbytes)
-                    self._install(slot, self._read(slot))
+                    self._install(slot, self.read_record(slot))
                 elif not slot.resident:
                     slot.resident = True
         except SwapError as exc:
             error = exc
-        self._agree(error)
+        self.agree(error)
 
     def write_all_out(self) -> None:
         """Write every resident offloaded sub-group to its file (after loading state)."""
-        self._settle_ahead()
+        self.settle_ahead()
         error: BaseException | None = None
         try:
             for slot in self._slots.values():
@@ -446,38 +456,11 @@ class OffloadStore:
                     self._commit_shards(slot)
                     buf = self._pack(slot)
                     if slot.nbytes:
-                        self._write(slot, buf)
+                        self.write_record(slot, buf)
                         slot.on_disk = True
         except SwapError as exc:
             error = exc
-        self._agree(error)
-
-    def record_reader(self) -> RecordReader:
-        """A reader of the records only in swap files now, for a streamed save."""
-        self._settle_ahead()
-        return RecordReader(self, [s for s in self._slots.values() if s.on_disk and not s.resident])
-
-    def record_loads(
-        self, saved: Mapping[int, Mapping[EntryKey, torch.dtype]]
-    ) -> dict[int, RecordLoad]:
-        """For a streamed load: a :class:`RecordLoad` per offloaded sub-group (by
-        ``id``), from the checkpoint's entries for its members (``saved``, by ``id``
-        of the sub-group). What the records held is dropped first.
-        """
-        self._settle_ahead()
-        longest: dict[torch.dtype, int] = {}
-        for slot in self._slots.values():
-            if slot.resident:  # replaced by the load: nothing to write back
-                slot.layout, slot.nbytes = self._layout(slot)
-                self._release(slot)
-            for (_, k, _), dtype in saved.get(id(slot.sg), {}).items():
-                n = slot.sg.params[k].local_numel
-                longest[dtype] = max(longest.get(dtype, 0), n)
-        scratch = {dtype: torch.empty(n, dtype=dtype) for dtype, n in longest.items()}
-        return {
-            key: RecordLoad(self, slot, saved.get(key, {}), scratch)
-            for key, slot in self._slots.items()
-        }
+        self.agree(error)
 
     # -- the step walk --------------------------------------------------------------------
 
@@ -493,7 +476,7 @@ class OffloadStore:
                     slot.file.check(slot.nbytes)
         except SwapError as exc:
             error = exc
-        self._agree(error)  # before anything steps
+        self.agree(error)  # before anything steps
         walk = _Walk(self, batches)
         try:
             walk.run(step)
@@ -504,220 +487,30 @@ class OffloadStore:
         except SwapError as exc:
             error = error or exc
         self.stats.step_s = time.perf_counter() - start
-        self._agree(error)  # before anything is written back into the model
+        self.agree(error)  # before anything is written back into the model
 
-    def slot(self, sg: SubGroup) -> _Slot | None:
+    def slot(self, sg: SubGroup) -> Slot | None:
         """The swap slot of an offloaded sub-group (None: stays in memory)."""
         return self._slots.get(id(sg))
 
+    def slots(self) -> list[Slot]:
+        """The swap slots of the offloaded sub-groups, in order."""
+        return list(self._slots.values())
+
+    @property
+    def flat(self) -> bool:
+        """Whether the wrapped optimizer sees one tensor per sub-group."""
+        return self._flat
+
     # -- agreeing on faults ---------------------------------------------------------------
 
-    def _agree(self, error: BaseException | None) -> None:
+    def agree(self, error: BaseException | None) -> None:
         """Every rank raises the same OffloadError if any rank failed (a collective)."""
         zstate = self._zstate
         raise_if_any_rank_failed(
             zstate.all_reduce, zstate.comm.rank, zstate.grad_comm.device(), error,
             lambda message: OffloadError(f"optimizer offload failed on {message}"),
         )  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordEntry:
-    """One parameter's master or state tensor inside an offloaded record, as a deferred
-    checkpoint entry (``zero3.core.engine.DeferredTensor``) for saving: read when the
-    save writes it.
-    """
-
-    reader: RecordReader
-    slot: _Slot
-    seg: _Seg
-    start: int
-    placeholder: torch.Tensor
-
-    @property
-    def group(self) -> str:
-        """Its record."""
-        return f"record{self.slot.index:06d}"
-
-    def read(self) -> torch.Tensor:
-        """This parameter's elements, from the record (read if it is not the last)."""
-        values = self.reader.segment(self.slot, self.seg)
-        return values[self.start : self.start + self.placeholder.numel()]
-
-    def write(self, values: torch.Tensor) -> None:
-        """Not for loading: a load fills the state in memory first."""
-        raise NotImplementedError("offloaded optimizer records are deferred for saving only")
-
-
-class RecordReader:
-    """The offloaded sub-groups' records a streamed checkpoint save reads: one record in
-    memory at a time (the last one asked for), the state left in its files.
-
-    Args:
-        store: The optimizer's offload store.
-        slots: Its records only on disk now.
-    """
-
-    def __init__(self, store: OffloadStore, slots: Sequence[_Slot]) -> None:
-        self._store = store
-        self._slots = {id(slot.sg): slot for slot in slots}
-        self._current: tuple[_Slot, AlignedBuffer] | None = None
-        longest: dict[torch.dtype, int] = {}
-        for slot in slots:
-            for seg in slot.layout:
-                longest[seg.dtype] = max(longest.get(seg.dtype, 0), seg.numel)
-        # Placeholders view these (never read or written): DCP plans from their sizes.
-        self._scratch = {dtype: torch.empty(n, dtype=dtype) for dtype, n in longest.items()}
-
-    def entries(self, sg: SubGroup) -> dict[tuple[str, int, str], RecordEntry] | None:
-        """``sg``'s deferred entries by (``"master"`` or ``"state"``, member, key); None
-        where its state is in memory.
-        """
-        slot = self._slots.get(id(sg))
-        if slot is None:
-            return None
-        out: dict[tuple[str, int, str], RecordEntry] = {}
-        for seg in slot.layout:
-            members = range(len(sg.params)) if seg.owner < 0 or self._store._flat else [seg.owner]
-            for k in members:
-                whole_owner = seg.owner >= 0 and not self._store._flat
-                start = 0 if whole_owner else sg.offsets[k]
-                n = sg.params[k].local_numel
-                kind = "master" if seg.owner < 0 else "state"
-                holder = self._scratch[seg.dtype][:n]
-                out[(kind, k, seg.key)] = RecordEntry(self, slot, seg, start, holder)
-        return out
-
-    def segment(self, slot: _Slot, seg: _Seg) -> torch.Tensor:
-        """``seg``'s values in ``slot``'s record, read now unless it was the last."""
-        if self._current is None or self._current[0] is not slot:
-            self._current = None  # the previous record goes first
-            try:
-                slot.file.check(slot.nbytes)
-                self._current = (slot, self._store._read(slot))
-            except SwapError as exc:
-                raise OffloadError(f"optimizer offload: cannot read a record back: {exc}") from exc
-        buf = self._current[1]
-        return buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize].view(seg.dtype)
-
-
-#: A member's entry in a record: ("master" or "state", member index, state key).
-EntryKey = tuple[str, int, str]
-
-
-class RecordLoad:
-    """One offloaded record loaded from a checkpoint without the others: laid out from
-    the checkpoint's entries for its members, filled as DCP reads them, written to its
-    file and let go once complete (:meth:`finish`). Members without a saved master take
-    it from the model's shard, loaded by then (the model's entries are read first).
-
-    Args:
-        store: The optimizer's offload store.
-        slot: The record.
-        saved: The checkpoint's entries for the slot's members, with their dtypes.
-        scratch: Placeholders' storage by dtype (see :class:`RecordReader`).
-    """
-
-    def __init__(
-        self,
-        store: OffloadStore,
-        slot: _Slot,
-        saved: Mapping[EntryKey, torch.dtype],
-        scratch: Mapping[torch.dtype, torch.Tensor],
-    ) -> None:
-        self._store, self._slot = store, slot
-        sg, flat = slot.sg, store._flat
-        owner_dtypes = [t.dtype for t in _owners(sg, flat)]
-        segs: dict[tuple[int, str], _Seg] = {}  # (owner, key) -> its segment
-        cursor = 0
-        if slot.swap_master:
-            segs[(-1, "")] = _Seg(-1, "", torch.float32, sg.numel, 0)
-            cursor = sg.numel * 4
-        for kind, k, key in sorted(saved):
-            owner = 0 if flat else k
-            if kind != "state" or (owner, key) in segs:
-                continue
-            dtype = saved[(kind, k, key)]
-            if dtype.is_floating_point:  # as the wrapped optimizer's load casts it
-                dtype = owner_dtypes[owner]
-            numel = sg.numel if flat else sg.params[k].local_numel
-            cursor = round_up(cursor, _ALIGN)
-            segs[(owner, key)] = _Seg(owner, key, dtype, numel, cursor)
-            cursor += numel * dtype.itemsize
-        self._segs = segs
-        self.layout, self.nbytes = tuple(segs.values()), round_up(cursor)
-        wanted = [e for e in saved if e[0] == "state" or slot.swap_master]
-        self._left = set(wanted)
-        #: The deferred checkpoint entries that fill it.
-        self.entries = {
-            e: _RecordPut(self, e, scratch[saved[e]][: sg.params[e[1]].local_numel]) for e in wanted
-        }
-        self._buf: AlignedBuffer | None = None
-        self.done = False
-
-    def put(self, entry: EntryKey, values: torch.Tensor) -> None:
-        """One member's loaded values into the record; the last one writes it."""
-        kind, k, key = entry
-        flat = self._store._flat
-        seg = self._segs[(-1, "") if kind == "master" else (0 if flat else k, key)]
-        start = self._slot.sg.offsets[k] if seg.owner < 0 or flat else 0
-        self._view(seg)[start : start + values.numel()].copy_(values)
-        self._left.discard(entry)
-        if not self._left:
-            self.finish()
-
-    def _view(self, seg: _Seg) -> torch.Tensor:
-        if self._buf is None:
-            self._buf = AlignedBuffer(self.nbytes)  # zero-filled: gaps and padding
-        region = self._buf.tensor[seg.offset : seg.offset + seg.numel * seg.dtype.itemsize]
-        return region.view(seg.dtype)
-
-    def finish(self) -> None:
-        """Masters the checkpoint lacks from the model's shards; write; let go. A record
-        of which nothing was saved (and no master to keep) holds no state.
-        """
-        if self.done:
-            return
-        self.done = True
-        slot = self._slot
-        slot.layout, slot.nbytes = self.layout, self.nbytes
-        slot.resident, slot.buffer = False, None
-        if not self.layout:
-            slot.on_disk = False  # the wrapped optimizer starts its state afresh
-            return
-        if slot.swap_master:
-            master = self._view(self._segs[(-1, "")])
-            for k, sp in enumerate(slot.sg.params):
-                if ("master", k, "") not in self.entries:
-                    start = slot.sg.offsets[k]
-                    master[start : start + sp.local_numel].copy_(sp.shard[: sp.local_numel])
-                    if sp.home is not None:  # read back for this copy only
-                        sp.home.drop(sp)
-        buf = self._buf if self._buf is not None else AlignedBuffer(self.nbytes)
-        self._buf = None
-        self._store._write(slot, buf)
-        slot.on_disk = True
-
-
-@dataclasses.dataclass(frozen=True)
-class _RecordPut:
-    """A deferred checkpoint entry for loading one member's master or state into a
-    :class:`RecordLoad` (``zero3.core.engine.DeferredTensor``).
-    """
-
-    record: RecordLoad
-    key: EntryKey
-    placeholder: torch.Tensor
-
-    @property
-    def group(self) -> str:
-        return f"record{self.record._slot.index:06d}"
-
-    def read(self) -> torch.Tensor:
-        raise NotImplementedError("a record being loaded is not saved")
-
-    def write(self, values: torch.Tensor) -> None:
-        self.record.put(self.key, values)
 
 
 class _Walk:
@@ -764,10 +557,12 @@ class _Walk:
             slot = self.order[self.next]
             self.next += 1
             if not slot.resident and slot.on_disk and slot.index not in self.reads:
-                self.reads[slot.index] = pool.submit(functools.partial(self.store._read, slot))
+                self.reads[slot.index] = pool.submit(
+                    functools.partial(self.store.read_record, slot)
+                )
                 self.store.stats.read_bytes += slot.nbytes
 
-    def _swap_in(self, slot: _Slot) -> None:
+    def _swap_in(self, slot: Slot) -> None:
         while slot.index not in self.reads and not slot.resident and slot.on_disk:
             self._reap(block=True)
             self._fill()
@@ -791,7 +586,9 @@ class _Walk:
                 buf = store._pack(slot)
                 self.stepping -= 1
                 if slot.nbytes:
-                    self.writes.append(pool.submit(functools.partial(store._write, slot, buf)))
+                    self.writes.append(
+                        pool.submit(functools.partial(store.write_record, slot, buf))
+                    )
                     store.stats.written_bytes += slot.nbytes
                     slot.on_disk = True
             self._reap(block=False)

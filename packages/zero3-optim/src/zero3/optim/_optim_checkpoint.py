@@ -44,6 +44,7 @@ from zero3.optim._loss_scale import LossScaler
 
 __all__ = [
     "EntriesOf",
+    "EntryKey",
     "OptimizerParts",
     "SubGroup",
     "add_deferred_loads",
@@ -131,9 +132,10 @@ def sharded_state(opt: OptimizerParts) -> dict[str, Any]:
     return streamed_sharded_state(opt, lambda sg: None)[0]
 
 
-#: A sub-group's deferred entries by ("master" or "state", member, key), or None (its
-#: state is in memory).
-EntriesOf = Callable[[SubGroup], Mapping[tuple[str, int, str], DeferredTensor] | None]
+#: A member's entry in a sub-group's record: ("master" or "state", member index, key).
+EntryKey = tuple[str, int, str]
+#: A sub-group's deferred entries by :data:`EntryKey`, or None (its state is in memory).
+EntriesOf = Callable[[SubGroup], Mapping[EntryKey, DeferredTensor] | None]
 
 
 def streamed_sharded_state(
@@ -148,15 +150,15 @@ def streamed_sharded_state(
     scalars: dict[str, dict[str, Any]] = {}
     deferred: dict[tuple[str, ...], DeferredTensor] = {}
     for sg in opt.subgroups:
-        entries = entries_of(sg)
+        by_member = _by_member(entries_of(sg))
         for k, sp in enumerate(sg.params):
+            mine = by_member.get(k, {})
+            _add_deferred(sp, mine, masters, state, deferred)
+            if ("master", k, "") not in mine and not sg.aliased[k]:
+                masters[sp.name] = sharded_like(sp, sg.views[k])  # a master in memory
             owner = _owner(opt, sg, k)
-            if entries is not None:
-                _add_deferred(sp, k, entries, masters, state, deferred)
-            elif not sg.aliased[k]:
-                masters[sp.name] = sharded_like(sp, sg.views[k])
             for key, value in opt.optimizer.state.get(owner, {}).items():
-                if entries is not None and ("state", k, key) in entries:
+                if ("state", k, key) in mine:
                     continue
                 if _kind(opt, sp, owner, key, value) == "element":
                     local = _local(opt, sg, k, value)
@@ -174,18 +176,24 @@ def streamed_sharded_state(
     return out, deferred
 
 
+def _by_member(
+    entries: Mapping[EntryKey, DeferredTensor] | None,
+) -> dict[int, dict[EntryKey, DeferredTensor]]:
+    out: dict[int, dict[EntryKey, DeferredTensor]] = {}
+    for entry_key, entry in (entries or {}).items():
+        out.setdefault(entry_key[1], {})[entry_key] = entry
+    return out
+
+
 def _add_deferred(
     sp: ShardedParam,
-    k: int,
-    entries: Mapping[tuple[str, int, str], DeferredTensor],
+    entries: Mapping[EntryKey, DeferredTensor],
     masters: dict[str, Any],
     state: dict[str, dict[str, Any]],
     deferred: dict[tuple[str, ...], DeferredTensor],
 ) -> None:
-    """Member ``k``'s deferred master and state entries, in the state dict's places."""
-    for (kind, member, key), entry in entries.items():
-        if member != k:
-            continue
+    """One member's deferred master and state entries, in the state dict's places."""
+    for (kind, _, key), entry in entries.items():
         value = sharded_like(sp, entry.placeholder)
         if kind == "master":
             masters[sp.name] = value
@@ -333,15 +341,22 @@ def _flat_buffer(
 
 def saved_entries(
     opt: OptimizerParts, reader: CheckpointReader
-) -> dict[int, dict[tuple[str, int, str], torch.dtype]]:
-    """The checkpoint's masters and per-element state for each sub-group's members, by
-    ``id`` of the sub-group: {("master" or "state", member, key): saved dtype}.
+) -> dict[int, dict[EntryKey, torch.dtype]]:
+    """The checkpoint's masters and per-element state for each sub-group's members that
+    hold elements on this rank, by ``id`` of the sub-group: {entry: saved dtype}.
+
+    Raises:
+        CheckpointMismatchError: The checkpoint names parameters this optimizer does not
+            step (checked before anything changes).
     """
+    _check_stray(opt, reader)
     masters = set(reader.section_keys(_L.optim, "master"))
     states = set(reader.section_keys(_L.optim, "state"))
-    out: dict[int, dict[tuple[str, int, str], torch.dtype]] = {}
+    out: dict[int, dict[EntryKey, torch.dtype]] = {}
     for sg, k, sp in _members(opt):
         entries = out.setdefault(id(sg), {})
+        if not sp.local_numel:
+            continue  # nothing of it here: DCP reads nothing for it
         if sp.name in masters:
             entries[("master", k, "")] = reader.entry_dtype(_L.fqn(_L.optim, "master", sp.name))
         if sp.name in states:
@@ -357,53 +372,58 @@ def add_deferred_loads(
     entries_of: EntriesOf,
 ) -> dict[tuple[str, ...], DeferredTensor]:
     """Put the deferred entries ``entries_of`` gives for a sub-group into ``template``
-    (in place of the destinations :func:`load_template` skipped for it); returns them
+    (in place of the destinations :func:`load_template` skipped for them); returns them
     by key path within the optimizer section.
     """
     deferred: dict[tuple[str, ...], DeferredTensor] = {}
     for sg in opt.subgroups:
-        entries = entries_of(sg)
-        if entries is None:
-            continue
+        by_member = _by_member(entries_of(sg))
         for k, sp in enumerate(sg.params):
-            _add_deferred(sp, k, entries, template["master"], template["state"], deferred)
+            _add_deferred(sp, by_member.get(k, {}), template["master"], template["state"], deferred)
     return deferred
 
 
-def load_template(
-    opt: OptimizerParts, reader: CheckpointReader, skip: frozenset[int] = frozenset()
-) -> dict[str, Any]:
-    """Destinations for ``dcp.load`` of a checkpoint's optimizer section.
-
-    Masters and per-element state of this rank land in place (the masters, the
-    existing state tensors) or in new buffers (a fresh optimizer has no state yet);
-    plain values get placeholders DCP fills. Sub-groups in ``skip`` (by ``id``) get no
-    master or state destinations (a streamed load defers them).
-    """
-    by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
+def _check_stray(opt: OptimizerParts, reader: CheckpointReader) -> None:
+    names = {sp.name for _, _, sp in _members(opt)}
     stray = [
         name
         for part in ("master", "state", "scalars")
         for name in reader.section_keys(_L.optim, part)
-        if name not in by_name
+        if name not in names
     ]
     if stray:
         raise CheckpointMismatchError(
             f"checkpoint {reader.path} holds optimizer state for parameters this optimizer "
             f"does not step: {sorted(stray)[:5]}"
         )
+
+
+def load_template(
+    opt: OptimizerParts,
+    reader: CheckpointReader,
+    skip: frozenset[tuple[str, ...]] = frozenset(),
+) -> dict[str, Any]:
+    """Destinations for ``dcp.load`` of a checkpoint's optimizer section.
+
+    Masters and per-element state of this rank land in place (the masters, the
+    existing state tensors) or in new buffers (a fresh optimizer has no state yet);
+    plain values get placeholders DCP fills. Entries in ``skip`` (``("master", name)``,
+    ``("state", name, key)``) get none: a streamed load defers them.
+    """
+    _check_stray(opt, reader)
+    by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
     masters = {}
     for name in reader.section_keys(_L.optim, "master"):
         sg, k = by_name[name]
-        if id(sg) not in skip:
+        if ("master", name) not in skip:
             masters[name] = sharded_like(sg.params[k], sg.views[k])
     state: dict[str, dict[str, Any]] = {}
     fresh: dict[tuple[int, str], torch.Tensor] = {}
     for name in reader.section_keys(_L.optim, "state"):
         sg, k = by_name[name]
-        if id(sg) in skip:
-            continue
         for key in reader.section_keys(_L.optim, "state", name):
+            if ("state", name, key) in skip:
+                continue
             dtype = reader.entry_dtype(_L.fqn(_L.optim, "state", name, key))
             local = _state_buffer(opt, sg, k, key, dtype, fresh)
             state.setdefault(name, {})[key] = sharded_like(sg.params[k], local)

@@ -33,7 +33,7 @@ from zero3.core.engine import (
     sharded_param,
     sharded_state,
 )
-from zero3.optim import _optim_checkpoint
+from zero3.optim import _optim_checkpoint, _records
 from zero3.optim._loss_scale import LossScaler
 from zero3.optim._offload import OffloadStats, OffloadStore
 
@@ -545,7 +545,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """
         if self._offload is None or not self._offload.nvme:
             return self.sharded_state_dict(), {}
-        reader = self._offload.record_reader()
+        reader = _records.record_reader(self._offload)
         return _optim_checkpoint.streamed_sharded_state(self._parts(bring_in=False), reader.entries)
 
     def streamed_load(self, reader: CheckpointReader) -> StreamedLoad:
@@ -558,8 +558,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             template = _optim_checkpoint.load_template(self._parts(), reader)
             return StreamedLoad(template, {}, self, {})
         parts = self._parts(bring_in=False)
-        records = self._offload.record_loads(_optim_checkpoint.saved_entries(parts, reader))
-        template = _optim_checkpoint.load_template(parts, reader, skip=frozenset(records))
+        saved = _optim_checkpoint.saved_entries(parts, reader)  # checked before any change
+        records = _records.record_loads(self._offload, saved)
+        skip = frozenset(
+            ("master", sg.params[k].name) if kind == "master" else ("state", sg.params[k].name, key)
+            for sg in parts.subgroups
+            if id(sg) in records
+            for kind, k, key in records[id(sg)].entries
+        )
+        template = _optim_checkpoint.load_template(parts, reader, skip=skip)
 
         def entries_of(sg: _optim_checkpoint.SubGroup) -> Any:
             record = records.get(id(sg))
@@ -572,8 +579,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         """The rest of a :class:`StreamedLoad`: records not filled up yet (masters from
         the model), then what is in memory, as :meth:`load_sharded_state_dict`.
         """
-        for record in records.values():
-            record.finish()
+        error: BaseException | None = None
+        try:
+            for record in records.values():
+                record.finish()
+        except RuntimeError as exc:  # a failed read of a shard or write of a record
+            error = exc
+        if self._offload is not None and records:
+            self._offload.agree(error)  # every rank fails alike, none waits
         _optim_checkpoint.load_sharded_state(self._parts(bring_in=not records), state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

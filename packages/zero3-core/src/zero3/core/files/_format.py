@@ -2,7 +2,8 @@
 
 Note (what a zero3 checkpoint is):
     A plain DCP (torch.distributed.checkpoint) directory: one ``__<rank>_0.distcp``
-    data file per writing rank and the ``.metadata`` index, which DCP writes last, once
+    data file per writing rank (one per item, ``__<rank>_<n>.distcp``, for state kept in
+    offload's swap files) and the ``.metadata`` index, which DCP writes last, once
     every rank's data is on disk. Torch's own tools open it
     (``dcp_to_torch_save``, ``dcp.load``). The saved state dict is nested under four
     top-level keys (:class:`CheckpointLayout`): ``zero3`` (format version, model class,
@@ -61,6 +62,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -463,18 +465,24 @@ class CheckpointStorageReader(FileSystemReader):
             else lambda item: ("", item.dest_index.fqn)
         )
         items = sorted(plan.items, key=order)
-        with contextlib.ExitStack() as files:
-            opened: dict[str, IO[bytes]] = {}
-            for item in items:
-                name = self.storage_data[item.storage_index].relative_path
+        names = [self.storage_data[item.storage_index].relative_path for item in items]
+        last = {name: i for i, name in enumerate(names)}  # closed after its last item
+        opened: dict[str, IO[bytes]] = {}
+        try:
+            for i, (item, name) in enumerate(zip(items, names, strict=True)):
                 if name not in opened:
                     try:
-                        opened[name] = files.enter_context(open(self._root / name, "rb"))
+                        opened[name] = open(self._root / name, "rb")  # noqa: SIM115
                     except FileNotFoundError:
                         raise CorruptCheckpointError(
                             f"corrupted checkpoint {self._root}: data file {name} is missing"
                         ) from None
                 self._read_item(opened[name], item, planner)
+                if last[name] == i:
+                    opened.pop(name).close()
+        finally:
+            for f in opened.values():
+                f.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -561,8 +569,10 @@ def _as_view_of(view: torch.Tensor, base: torch.Tensor, values: torch.Tensor) ->
 
 class CheckpointSavePlanner(DefaultSavePlanner):
     """DCP's default save planner that reads a deferred entry's values only when its
-    items are written, one tensor at a time (DCP's file writer resolves the items of a
-    CPU save one by one).
+    items are written. DCP's file writer resolves the items of a CPU save one by one,
+    in the plan's order; the plan puts the deferred items last, group by group (an
+    offloaded record is read once), and the last entry's values are kept for its other
+    items (a shard's boxes).
 
     Args:
         deferred: The deferred entries of the state dict to save (see
@@ -572,15 +582,33 @@ class CheckpointSavePlanner(DefaultSavePlanner):
     def __init__(self, deferred: Deferred) -> None:
         super().__init__()
         self._deferred = deferred
+        self._last: tuple[DeferredTensor, torch.Tensor] | None = None
+
+    def _entry(self, fqn: str) -> DeferredTensor | None:
+        if not self._deferred or not self.mappings:
+            return None
+        return self._deferred.get(tuple(str(p) for p in self.mappings.get(fqn, ())))
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """DCP's, with the deferred items last and grouped (see the class)."""
+        plan = super().finish_plan(new_plan)
+
+        def order(item: WriteItem) -> tuple[str, str]:
+            entry = self._entry(item.index.fqn)
+            return ("" if entry is None else "\x01" + entry.group, item.index.fqn)
+
+        return dataclasses.replace(plan, items=sorted(plan.items, key=order))
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         """The item's tensor; for a deferred entry, a view of values read now."""
         found = super().lookup_object(index)
-        path = self.mappings.get(index.fqn, ()) if self.mappings else ()
-        entry = self._deferred.get(tuple(str(p) for p in path))
+        entry = self._entry(index.fqn)
         if entry is None or not isinstance(found, torch.Tensor):
             return found
-        return _as_view_of(found, entry.placeholder, entry.read())
+        if self._last is None or self._last[0] is not entry:
+            self._last = None  # the previous entry's values go first
+            self._last = (entry, entry.read())
+        return _as_view_of(found, entry.placeholder, self._last[1])
 
 
 class CheckpointLoadPlanner(DefaultLoadPlanner):
@@ -605,6 +633,16 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self._deferred = deferred or {}
         self._filling: dict[str, tuple[DeferredTensor, torch.Tensor, list[int]]] = {}
+        self._filled: set[str] = set()
+
+    def unfilled(self) -> list[str]:
+        """Keys of deferred entries the load did not fill whole (after ``dcp.load``:
+        a checkpoint that does not cover them).
+        """
+        if not self._deferred:
+            return []
+        wanted = [fqn for fqn in self.mappings if self._entry(fqn) is not None]
+        return sorted(fqn for fqn in wanted if fqn not in self._filled)
 
     def _entry(self, fqn: str) -> DeferredTensor | None:
         if not self._deferred:
@@ -618,6 +656,11 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         if entry is None:
             tensor: torch.Tensor = super().resolve_tensor(read_item)
             return tensor
+        if fqn in self._filled:
+            raise CorruptCheckpointError(
+                f"corrupted checkpoint: {fqn!r} has more chunks than elements (its index "
+                "lists overlapping pieces)"
+            )
         if fqn not in self._filling:
             values = torch.empty(entry.placeholder.shape, dtype=entry.placeholder.dtype)
             self._filling[fqn] = (entry, values, [0])
@@ -643,6 +686,7 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         filled[0] += math.prod(read_item.lengths)
         if filled[0] >= values.numel():
             del self._filling[fqn]
+            self._filled.add(fqn)
             entry.write(values)
 
     def create_local_plan(self) -> LoadPlan:

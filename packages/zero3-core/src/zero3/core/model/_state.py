@@ -284,14 +284,13 @@ class ShardedModelState:
             # The swap file, if any, is opened only now: every check above has passed.
             swap = self.param_swap = self._open_param_swap(named)
             shards = builder.run(keep=swap.store if swap is not None else None)
-            params = [
-                self._shard(index, name, param, shards.get(index))
-                for index, (name, param) in enumerate(named)
-            ]
+            params = []
+            for index, (name, param) in enumerate(named):
+                sp = self._shard(index, name, param, shards.get(index))
+                if swap is not None and swap.offloads(index):
+                    swap.adopt(sp)  # a shard cut here (eager) goes out before the next
+                params.append(sp)
             if swap is not None:
-                for sp in params:
-                    if swap.offloads(sp.index):
-                        swap.adopt(sp)
                 swap.finish_build(self._build_all_reduce, self.grad_comm.device())
             return params
 

@@ -204,7 +204,18 @@ class OffloadedShard:
         return _local_values(self.sp)
 
     def write(self, values: torch.Tensor) -> None:
-        """Set this rank's real elements (to the swap file)."""
+        """Set this rank's real elements (to the swap file).
+
+        Raises:
+            ValueError: The parameter is gathered right now (its whole copy would go
+                stale), as :func:`load_sharded_state_dict` refuses it.
+        """
+        if self.sp.status is ParamStatus.AVAILABLE:
+            raise ValueError(
+                f"load: parameter {self.sp.name!r} is gathered right now (inside "
+                "zero3.core.gathered_parameters): its whole copy would go stale. Load outside "
+                "the block."
+            )
         with torch.no_grad():
             self.sp.write_local(values, masters=self.update_masters)
 
