@@ -208,7 +208,7 @@ class OffloadedShard:
 
         Raises:
             ValueError: The parameter is gathered right now (its whole copy would go
-                stale), as :func:`load_sharded_state_dict` refuses it.
+                stale), as :func:`~zero3.core.load_sharded_state_dict` refuses it.
         """
         if self.sp.status is ParamStatus.AVAILABLE:
             raise ValueError(
