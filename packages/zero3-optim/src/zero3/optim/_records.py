@@ -76,6 +76,10 @@ class RecordEntry:
         """Its record."""
         return f"record{self.slot.index:06d}"
 
+    def target(self) -> torch.Tensor | None:
+        """Not for loading."""
+        return None
+
     def read(self) -> torch.Tensor:
         """This parameter's elements, from the record (read if it is not the last)."""
         values = self.reader.segment(self.slot, self.seg)
@@ -188,13 +192,21 @@ class RecordLoad:
         self._buf: AlignedBuffer | None = None
         self.done = False
 
-    def put(self, entry: EntryKey, values: torch.Tensor) -> None:
-        """One member's loaded values into the record; the last one writes it."""
+    def place(self, entry: EntryKey) -> torch.Tensor:
+        """Where ``entry``'s values go in the record (in the record's dtype)."""
         kind, k, key = entry
         flat = self._store.flat
         seg = self._segs[(-1, "") if kind == "master" else (0 if flat else k, key)]
         start = self._slot.sg.offsets[k] if seg.owner < 0 or flat else 0
-        self._view(seg)[start : start + values.numel()].copy_(values)
+        return self._view(seg)[start : start + self._slot.sg.params[k].local_numel]
+
+    def put(self, entry: EntryKey, values: torch.Tensor) -> None:
+        """One member's loaded values into the record (unless loaded in place); the
+        last one writes it.
+        """
+        place = self.place(entry)
+        if values.data_ptr() != place.data_ptr():
+            place.copy_(values)
         self._left.discard(entry)
         if not self._left:
             self.finish()
@@ -263,6 +275,11 @@ class _RecordPut:
     @property
     def group(self) -> str:
         return f"record{self.record._slot.index:06d}"
+
+    def target(self) -> torch.Tensor | None:
+        """The record's place for the values when the dtypes agree (read in place)."""
+        place = self.record.place(self.key)
+        return place if place.dtype == self.placeholder.dtype else None
 
     def read(self) -> torch.Tensor:
         raise NotImplementedError("a record being loaded is not saved")

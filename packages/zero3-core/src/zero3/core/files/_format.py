@@ -548,6 +548,12 @@ class DeferredTensor(Protocol):
         """
         ...
 
+    def target(self) -> torch.Tensor | None:
+        """Where a load may put the values in place (flat, the placeholder's size and
+        dtype), or None for a buffer of the planner's.
+        """
+        ...
+
     def read(self) -> torch.Tensor:
         """The flat values, read now."""
         ...
@@ -662,7 +668,9 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
                 "lists overlapping pieces)"
             )
         if fqn not in self._filling:
-            values = torch.empty(entry.placeholder.shape, dtype=entry.placeholder.dtype)
+            values = entry.target()
+            if values is None:
+                values = torch.empty(entry.placeholder.shape, dtype=entry.placeholder.dtype)
             self._filling[fqn] = (entry, values, [0])
         entry, values, _ = self._filling[fqn]
         view = _as_view_of(self.lookup_tensor(read_item.dest_index), entry.placeholder, values)

@@ -203,6 +203,10 @@ class OffloadedShard:
         """This rank's real elements, read back now (the model lets them go at once)."""
         return _local_values(self.sp)
 
+    def target(self) -> torch.Tensor | None:
+        """None: a load fills a buffer of the planner's, written to the file whole."""
+        return None
+
     def write(self, values: torch.Tensor) -> None:
         """Set this rank's real elements (to the swap file).
 
