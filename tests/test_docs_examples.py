@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from zero3.testing import run_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -145,17 +145,7 @@ def _env() -> dict[str, str]:
 
 def _run(cmd: list[str], cwd: Path) -> tuple[int, str, str]:
     # A session of its own, so a timeout stops the launcher and every rank it started.
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s\n{out}\n{err}")
-    return proc.returncode, out, err
+    return run_in_session(cmd, timeout_s=TIMEOUT_S, env=_env(), cwd=cwd)
 
 
 def _launcher_name(launcher: list[str]) -> str:

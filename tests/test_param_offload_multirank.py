@@ -27,6 +27,7 @@ from zero3.core import ParamOffloadError, Zero3Config, local_grad
 from zero3.core.engine import resident_pages, sharded_state
 from zero3.hooks import full_state_dict, memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
+from zero3.testing import run_in_session
 from zero3.testing.models import OPTIMIZERS, build, loss_of
 
 pytestmark = pytest.mark.multirank
@@ -511,8 +512,6 @@ os._exit(0)
 
 
 def _growth(tmp_path: Path, offloaded: bool, layers: int) -> dict[str, int]:
-    import signal
-    import subprocess
     import sys
 
     script = tmp_path / "build_rank.py"
@@ -526,15 +525,8 @@ def _growth(tmp_path: Path, offloaded: bool, layers: int) -> dict[str, int]:
     root = tmp_path / ("offloaded" if offloaded else "in-memory")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(root),
            "1" if offloaded else "0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"hung: no exit within 120 s\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, out + err[-4000:]
+    returncode, out, err = run_in_session(cmd, timeout_s=120, env=env)
+    assert returncode == 0, out + err[-4000:]
     line = next(x for x in out.splitlines() if x.startswith("GROWTH "))
     growth: dict[str, int] = json.loads(line.removeprefix("GROWTH "))
     return growth

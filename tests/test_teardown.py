@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
-import subprocess
 import sys
 import time
 import weakref
@@ -20,6 +18,7 @@ import pytest
 import torch
 
 from zero3.comm import CommError, GlooBackend
+from zero3.testing import run_in_session
 
 pytestmark = pytest.mark.multirank
 
@@ -82,18 +81,9 @@ def test_user_script_without_cleanup_exits_zero(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)]
     # A session of its own, so that a hang is stopped with every rank torchrun started.
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"hung: no exit within 150 s\n{out}\n{err[-4000:]}")
+    returncode, out, err = run_in_session(cmd, timeout_s=150, env=env)
     assert "terminate called" not in err, err[-4000:]  # gloo's abort at finalization
-    assert proc.returncode == 0, out + err[-4000:]
+    assert returncode == 0, out + err[-4000:]
 
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC_")

@@ -47,7 +47,6 @@ __all__ = [
     "EntryKey",
     "OptimizerParts",
     "SubGroup",
-    "add_deferred_loads",
     "load_sharded_state",
     "load_template",
     "saved_entries",
@@ -366,23 +365,6 @@ def saved_entries(
     return out
 
 
-def add_deferred_loads(
-    opt: OptimizerParts,
-    template: dict[str, Any],
-    entries_of: EntriesOf,
-) -> dict[tuple[str, ...], DeferredTensor]:
-    """Put the deferred entries ``entries_of`` gives for a sub-group into ``template``
-    (in place of the destinations :func:`load_template` skipped for them); returns them
-    by key path within the optimizer section.
-    """
-    deferred: dict[tuple[str, ...], DeferredTensor] = {}
-    for sg in opt.subgroups:
-        by_member = _by_member(entries_of(sg))
-        for k, sp in enumerate(sg.params):
-            _add_deferred(sp, by_member.get(k, {}), template["master"], template["state"], deferred)
-    return deferred
-
-
 def _check_stray(opt: OptimizerParts, reader: CheckpointReader) -> None:
     names = {sp.name for _, _, sp in _members(opt)}
     stray = [
@@ -401,39 +383,46 @@ def _check_stray(opt: OptimizerParts, reader: CheckpointReader) -> None:
 def load_template(
     opt: OptimizerParts,
     reader: CheckpointReader,
-    skip: frozenset[tuple[str, ...]] = frozenset(),
-) -> dict[str, Any]:
-    """Destinations for ``dcp.load`` of a checkpoint's optimizer section.
+    entries_of: EntriesOf = lambda sg: None,
+) -> tuple[dict[str, Any], dict[tuple[str, ...], DeferredTensor]]:
+    """Destinations for ``dcp.load`` of a checkpoint's optimizer section, and the
+    deferred entries among them by key path.
 
     Masters and per-element state of this rank land in place (the masters, the
     existing state tensors) or in new buffers (a fresh optimizer has no state yet);
-    plain values get placeholders DCP fills. Entries in ``skip`` (``("master", name)``,
-    ``("state", name, key)``) get none: a streamed load defers them.
+    plain values get placeholders DCP fills. The entries ``entries_of`` gives for a
+    sub-group are deferred instead (a streamed load fills its offloaded records).
     """
     _check_stray(opt, reader)
+    masters: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
+    deferred: dict[tuple[str, ...], DeferredTensor] = {}
+    for sg in opt.subgroups:
+        by_member = _by_member(entries_of(sg))
+        for k, sp in enumerate(sg.params):
+            _add_deferred(sp, by_member.get(k, {}), masters, state, deferred)
     by_name = {sp.name: (sg, k) for sg, k, sp in _members(opt)}
-    masters = {}
     for name in reader.section_keys(_L.optim, "master"):
         sg, k = by_name[name]
-        if ("master", name) not in skip:
+        if ("master", name) not in deferred:
             masters[name] = sharded_like(sg.params[k], sg.views[k])
-    state: dict[str, dict[str, Any]] = {}
     fresh: dict[tuple[int, str], torch.Tensor] = {}
     for name in reader.section_keys(_L.optim, "state"):
         sg, k = by_name[name]
         for key in reader.section_keys(_L.optim, "state", name):
-            if ("state", name, key) in skip:
+            if ("state", name, key) in deferred:
                 continue
             dtype = reader.entry_dtype(_L.fqn(_L.optim, "state", name, key))
             local = _state_buffer(opt, sg, k, key, dtype, fresh)
             state.setdefault(name, {})[key] = sharded_like(sg.params[k], local)
-    return {
+    template = {
         "param_groups": reader.template(_L.optim, "param_groups"),
         "master": masters,
         "state": state,
         "scalars": reader.template(_L.optim, "scalars"),
         "scaler": reader.template(_L.optim, "scaler"),
     }
+    return template, deferred
 
 
 def _state_buffer(

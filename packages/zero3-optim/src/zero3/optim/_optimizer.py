@@ -555,24 +555,17 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         (``load_checkpoint`` uses it; see :class:`~zero3.optim._optimizer.StreamedLoad`).
         """
         if self._offload is None or not self._offload.nvme:
-            template = _optim_checkpoint.load_template(self._parts(), reader)
+            template, _ = _optim_checkpoint.load_template(self._parts(), reader)
             return StreamedLoad(template, {}, self, {})
         parts = self._parts(bring_in=False)
         saved = _optim_checkpoint.saved_entries(parts, reader)  # checked before any change
         records = _records.record_loads(self._offload, saved)
-        skip = frozenset(
-            ("master", sg.params[k].name) if kind == "master" else ("state", sg.params[k].name, key)
-            for sg in parts.subgroups
-            if id(sg) in records
-            for kind, k, key in records[id(sg)].entries
-        )
-        template = _optim_checkpoint.load_template(parts, reader, skip=skip)
 
         def entries_of(sg: _optim_checkpoint.SubGroup) -> Any:
             record = records.get(id(sg))
             return None if record is None else record.entries
 
-        deferred = _optim_checkpoint.add_deferred_loads(parts, template, entries_of)
+        template, deferred = _optim_checkpoint.load_template(parts, reader, entries_of)
         return StreamedLoad(template, deferred, self, records)
 
     def _load_streamed(self, state_dict: Mapping[str, Any], records: Mapping[int, Any]) -> None:
@@ -587,12 +580,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             error = exc
         if self._offload is not None and records:
             self._offload.agree(error)  # every rank fails alike, none waits
-        _optim_checkpoint.load_sharded_state(self._parts(bring_in=not records), state_dict)
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
-        with torch.no_grad():
-            self._write_back()
-            self._offload_again()
+        self._load_state(state_dict, bring_in=not records)
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`sharded_state_dict` contents (filled by ``dcp.load``, at any world
@@ -606,7 +594,14 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             CheckpointMismatchError: The param groups list other parameters (by name),
                 or the state names parameters this optimizer does not step.
         """
-        _optim_checkpoint.load_sharded_state(self._parts(), state_dict)
+        self._load_state(state_dict, bring_in=True)
+
+    def _load_state(self, state_dict: Mapping[str, Any], *, bring_in: bool) -> None:
+        """Load what ``state_dict`` holds in memory, then write the masters back into
+        the model and the offloaded state out to its files (``bring_in``: read the
+        offloaded records first, for state that is loaded into them).
+        """
+        _optim_checkpoint.load_sharded_state(self._parts(bring_in=bring_in), state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         with torch.no_grad():

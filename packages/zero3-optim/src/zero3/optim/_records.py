@@ -58,6 +58,11 @@ def record_loads(
     }
 
 
+def _group(slot: Slot) -> str:
+    """A record's name as a group of deferred checkpoint entries."""
+    return f"record{slot.index:06d}"
+
+
 @dataclasses.dataclass(frozen=True)
 class RecordEntry:
     """One parameter's master or state tensor inside an offloaded record, as a deferred
@@ -74,7 +79,7 @@ class RecordEntry:
     @property
     def group(self) -> str:
         """Its record."""
-        return f"record{self.slot.index:06d}"
+        return _group(self.slot)
 
     def target(self) -> torch.Tensor | None:
         """Not for loading."""
@@ -274,7 +279,7 @@ class _RecordPut:
 
     @property
     def group(self) -> str:
-        return f"record{self.record._slot.index:06d}"
+        return _group(self.record._slot)
 
     def target(self) -> torch.Tensor | None:
         """The record's place for the values when the dtypes agree (read in place)."""

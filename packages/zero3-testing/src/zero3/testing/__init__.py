@@ -16,6 +16,7 @@ from zero3.testing._checking import (
     TensorRecord,
 )
 from zero3.testing._harness import CaseError, GroupPool, RankExited, WorkerGroup
+from zero3.testing._session import run_in_session
 from zero3.testing._syncs import SYNC_KINDS, DeviceMemory, HostSync, HostSyncCounter, RealDevice
 from zero3.testing._tracker import (
     HOST_MEMORY,
@@ -51,4 +52,5 @@ __all__ = [
     "TensorRecord",
     "Violation",
     "WorkerGroup",
+    "run_in_session",
 ]

@@ -462,7 +462,7 @@ class CheckpointStorageReader(FileSystemReader):
         order = (
             planner.read_order
             if isinstance(planner, CheckpointLoadPlanner)
-            else lambda item: ("", item.dest_index.fqn)
+            else lambda item: _deferred_last(None, item.dest_index.fqn)
         )
         items = sorted(plan.items, key=order)
         names = [self.storage_data[item.storage_index].relative_path for item in items]
@@ -567,6 +567,22 @@ class DeferredTensor(Protocol):
 Deferred = Mapping[tuple[str, ...], DeferredTensor]
 
 
+def _find_deferred(
+    deferred: Deferred, mappings: Mapping[str, Any] | None, fqn: str
+) -> DeferredTensor | None:
+    """The deferred entry DCP's flattened key ``fqn`` names (None: not deferred)."""
+    if not deferred or not mappings:
+        return None
+    return deferred.get(tuple(str(p) for p in mappings.get(fqn, ())))
+
+
+def _deferred_last(entry: DeferredTensor | None, fqn: str) -> tuple[str, str]:
+    """The order both planners move items in: what is not deferred first, then the
+    deferred entries group by group, each in key order.
+    """
+    return ("" if entry is None else "\x01" + entry.group, fqn)
+
+
 def _as_view_of(view: torch.Tensor, base: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``values`` viewed as ``view`` views ``base`` (same sizes, strides, offset)."""
     offset = view.storage_offset() - base.storage_offset()
@@ -591,17 +607,14 @@ class CheckpointSavePlanner(DefaultSavePlanner):
         self._last: tuple[DeferredTensor, torch.Tensor] | None = None
 
     def _entry(self, fqn: str) -> DeferredTensor | None:
-        if not self._deferred or not self.mappings:
-            return None
-        return self._deferred.get(tuple(str(p) for p in self.mappings.get(fqn, ())))
+        return _find_deferred(self._deferred, self.mappings, fqn)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DCP's, with the deferred items last and grouped (see the class)."""
         plan = super().finish_plan(new_plan)
 
         def order(item: WriteItem) -> tuple[str, str]:
-            entry = self._entry(item.index.fqn)
-            return ("" if entry is None else "\x01" + entry.group, item.index.fqn)
+            return _deferred_last(self._entry(item.index.fqn), item.index.fqn)
 
         return dataclasses.replace(plan, items=sorted(plan.items, key=order))
 
@@ -651,9 +664,7 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         return sorted(fqn for fqn in wanted if fqn not in self._filled)
 
     def _entry(self, fqn: str) -> DeferredTensor | None:
-        if not self._deferred:
-            return None
-        return self._deferred.get(tuple(str(p) for p in self.mappings.get(fqn, ())))
+        return _find_deferred(self._deferred, self.mappings, fqn)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """Where the item's elements go; for a deferred entry, into its buffer."""
@@ -682,8 +693,7 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         is not deferred first, then deferred entries by group, each in key order.
         """
         fqn = read_item.dest_index.fqn
-        entry = self._entry(fqn)
-        return ("" if entry is None else "\x01" + entry.group, fqn)
+        return _deferred_last(self._entry(fqn), fqn)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """Count a deferred entry's elements; once all are in, write them and let go."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -169,11 +169,18 @@ def sharded_state_dict(module: nn.Module) -> dict[str, Any]:
     they carry the optimizer too.
     """
     sharded_state(module)  # a clear error for a module that is not sharded
+    return _by_key(module, _entry)
+
+
+def _by_key(module: nn.Module, make: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    """``make(tensor)`` under each state-dict key, made once per tensor (tied
+    parameters share one entry).
+    """
     out: dict[str, Any] = {}
     made: dict[int, Any] = {}
     for key, _, tensor in state_dict_entries(module):
         if id(tensor) not in made:
-            made[id(tensor)] = _entry(tensor)
+            made[id(tensor)] = make(tensor)
         out[key] = made[id(tensor)]
     return out
 
@@ -237,31 +244,31 @@ def streamed_sharded_state_dict(
         module: The sharded module.
         update_masters: Whether a load through the planner sets optimizers' masters too.
     """
-    sharded_state(module)
-    entries = list(state_dict_entries(module))
-    out: dict[str, Any] = {}
-    deferred: dict[str, OffloadedShard] = {}
-    made: dict[int, tuple[Any, OffloadedShard | None]] = {}
+    offloaded = [sp for sp in sharded_state(module).params if _offloaded(sp)]
     # One scratch tensor per dtype, as long as the longest offloaded shard: placeholders
     # of real tensors (DCP refuses ShardedTensors on meta), untouched, so no memory.
     longest: dict[torch.dtype, int] = {}
-    for _, _, tensor in entries:
-        sp = lookup(tensor)
-        if sp is not None and sp.home is not None and not sp.resident and sp.local_numel:
-            longest[sp.dtype] = max(longest.get(sp.dtype, 0), sp.local_numel)
+    for sp in offloaded:
+        longest[sp.dtype] = max(longest.get(sp.dtype, 0), sp.local_numel)
     scratch = {dtype: torch.empty(n, dtype=dtype) for dtype, n in longest.items()}
-    for key, _, tensor in entries:
-        if id(tensor) not in made:
-            sp = lookup(tensor)
-            if sp is not None and sp.dtype in scratch and not sp.resident and sp.local_numel:
-                entry = OffloadedShard(sp, scratch[sp.dtype][: sp.local_numel], update_masters)
-                made[id(tensor)] = (sharded_like(sp, entry.placeholder), entry)
-            else:
-                made[id(tensor)] = (_entry(tensor), None)
-        out[key], found = made[id(tensor)]
-        if found is not None:
-            deferred[key] = found
+    entries: dict[int, OffloadedShard] = {}  # by id of the parameter
+
+    def make(tensor: torch.Tensor) -> Any:
+        sp = lookup(tensor)
+        if sp is None or not _offloaded(sp):
+            return _entry(tensor)
+        entry = OffloadedShard(sp, scratch[sp.dtype][: sp.local_numel], update_masters)
+        entries[id(tensor)] = entry
+        return sharded_like(sp, entry.placeholder)
+
+    out = _by_key(module, make)
+    deferred = {key: entries[id(t)] for key, _, t in state_dict_entries(module) if id(t) in entries}
     return out, deferred
+
+
+def _offloaded(sp: ShardedParam) -> bool:
+    """Whether ``sp``'s shard is only in its swap file now (and this rank has some)."""
+    return sp.home is not None and not sp.resident and sp.local_numel > 0
 
 
 def _entry(tensor: torch.Tensor) -> Any:
