@@ -40,7 +40,8 @@ def test_dry_run_prints_every_part_and_checks_the_helper():
     result = _run([str(SCRIPT), "--dry-run"])
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    for part in ("comm nccl", "comm cupy-nccl", "parity fp32", "parity bf16", "bench"):
+    parts = ("comm nccl", "comm cupy-nccl", "parity fp32", "parity bf16", "parity offload", "bench")
+    for part in parts:
         assert f"[dry-run] {part}" in out, out
     assert "-k nccl\\ and\\ not\\ cupy" in out
     assert "the script parses and tools/gpu_check.py imports: OK" in out
@@ -56,13 +57,14 @@ def test_without_a_gpu_it_stops_at_once_saying_why():
     assert helper.returncode == 2 and "pass --device cpu" in helper.stderr
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_parity_logic_on_cpu(dtype):
+@pytest.mark.parametrize("dtype,offload", [("fp32", "none"), ("bf16", "none"), ("bf16", "cpu")])
+def test_parity_logic_on_cpu(dtype, offload):
     result = _run([sys.executable, str(HELPER), "parity", "--device", "cpu", "--dtype", dtype,
-                   "--steps", "2", *TINY])  # fmt: skip
+                   "--steps", "2", "--offload-optimizer", offload, *TINY])  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout.splitlines()[0])
     assert report["dtype"] == dtype and report["device"] == "cpu"
+    assert report["offload_optimizer"] == offload and report["masters_on"] == ["cpu"]
     assert report["max_loss_diff"] == 0.0 and report["off"] == 0.0  # world 1: same arithmetic
 
 

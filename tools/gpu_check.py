@@ -108,7 +108,12 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
     masters = [p.detach().float().clone() for p in reference.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-3)
     comm = zero3_comm(device)
-    config = Zero3Config(param_dtype=dtype if dtype != torch.float32 else None)
+    # --offload-optimizer cpu: masters and AdamW state on the host, stepped there, with
+    # the gradients and stepped shards on copy streams (page-locked staging).
+    offload = {"device": args.offload_optimizer, "pin_memory": True}
+    config = Zero3Config(
+        param_dtype=dtype if dtype != torch.float32 else None, offload_optimizer=offload
+    )
     shard_module(model, config, comm=comm)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     losses, ref_losses = [], []
@@ -138,8 +143,11 @@ def parity(args: argparse.Namespace) -> dict[str, Any]:
         off += int((gap > 1e-4 + 1e-3 * want.float().abs()).sum())
         total += want.numel()
     comm.close()
+    masters_on = sorted({str(t.device) for t in opt.master_shards()})
     return {
         "dtype": args.dtype,
+        "offload_optimizer": args.offload_optimizer,
+        "masters_on": masters_on,
         "device": str(device),
         "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         "max_param_diff": worst,
@@ -158,6 +166,8 @@ def check_parity(result: dict[str, Any]) -> list[str]:
     """
     limit = 1e-5 if result["dtype"] == "fp32" else 1e-2
     problems = []
+    if result.get("offload_optimizer", "none") != "none" and result["masters_on"] != ["cpu"]:
+        problems.append(f"offloaded masters are on {result['masters_on']}, not the host")
     if not result["max_loss_diff"] <= limit:
         problems.append(f"losses differ by {result['max_loss_diff']:.3g} (limit {limit:g})")
     if not result["off"] <= 0.005:
@@ -325,6 +335,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("system", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parity only")
+    p.add_argument(
+        "--offload-optimizer", default="none", choices=["none", "cpu"],
+        help="parity only: step the masters on the host (offload_optimizer cpu)",
+    )  # fmt: skip
     p.add_argument("--systems", default=",".join(SYSTEMS), help="bench: comma-separated")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps (parity: steps)")

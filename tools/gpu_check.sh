@@ -19,7 +19,8 @@
 #   1. comm tests on nccl, then on cupy-nccl, at world 1
 #      (packages/zero3-comm/tests/test_accelerator_backends.py)
 #   2. engine parity at world 1 on CUDA against plain PyTorch: fp32, then bf16 parameters
-#      with fp32 masters (tools/gpu_check.py parity)
+#      with fp32 masters, then bf16 with offload_optimizer cpu (masters stepped on the
+#      host; tools/gpu_check.py parity)
 #   3. step time of plain PyTorch, FSDP2 and zero3 on the GPU, fresh processes, rounds
 #      interleaved (tools/gpu_check.py bench)
 # Without a CUDA device it stops at once, saying why (exit status 2).
@@ -148,6 +149,7 @@ fi
 # -- 2. engine parity at world 1 ------------------------------------------------------------
 run_part "parity fp32" 120 "$PY" tools/gpu_check.py parity --dtype fp32 --layers 4
 run_part "parity bf16" 120 "$PY" tools/gpu_check.py parity --dtype bf16 --layers 4
+run_part "parity offload" 120 "$PY" tools/gpu_check.py parity --dtype bf16 --layers 4 --offload-optimizer cpu
 
 # -- 3. step timing ---------------------------------------------------------------------------
 if [ "$skip_bench" = 1 ]; then

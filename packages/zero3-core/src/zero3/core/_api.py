@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -130,6 +130,11 @@ def sharded_param(tensor: torch.Tensor) -> ShardedParam | None:
     return _params.lookup(tensor)
 
 
+def _on_device(sps: Sequence[ShardedParam]) -> bool:
+    """Whether the model is on an accelerator (its parameters' device)."""
+    return any(sp.device.type != "cpu" for sp in sps)
+
+
 def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
     """What this rank holds of a sharded model's state (and of its optimizer's).
 
@@ -142,14 +147,26 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     state = sharded_state(module)
     sps = state.params
     shards = [sp.held_shard for sp in sps] + [sp.param for sp in sps if sp.persistent]
-    param_bytes = storage_bytes(shards)
+    # offload_param cpu on an accelerator: shards in host memory, counted apart.
+    on_device = _on_device(sps)
+    param_bytes = storage_bytes(t for t in shards if not on_device or t.device.type != "cpu")
+    host_param_bytes = storage_bytes(t for t in shards if on_device and t.device.type == "cpu")
     grad_bytes = storage_bytes(state.reducer.grad_buffers())
     optimizers = [optimizer] if optimizer is not None else state.optimizers()
     masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]  # type: ignore[attr-defined]
-    master_bytes = storage_bytes(masters, skip=storages(shards))
     stepped = sum(p.numel() for p in masters)
     values = [v for opt in optimizers for s in opt.state.values() for v in s.values()]  # type: ignore[attr-defined]
-    optimizer_bytes = storage_bytes(v for v in values if isinstance(v, torch.Tensor))
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    # With the shards on an accelerator, offloaded masters and state are in host memory
+    # (torch keeps scalar state such as Adam's ``step`` on the host anyway: not counted).
+
+    def where(ts: list[torch.Tensor], host: bool) -> list[torch.Tensor]:
+        return [t for t in ts if (on_device and t.device.type == "cpu" and t.dim() > 0) == host]
+
+    master_bytes = storage_bytes(where(masters, False), skip=storages(shards))
+    optimizer_bytes = storage_bytes(where(tensors, False))
+    host_master_bytes = storage_bytes(where(masters, True))
+    host_optimizer_bytes = storage_bytes(where(tensors, True))
     # What optimizer offload holds in swap files (its store says; in memory it is empty).
     nvme_master = nvme_state = 0
     for opt in optimizers:
@@ -166,12 +183,13 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     unsharded = psi * el + trainable * grad_el
     # A separate fp32 master is part of the one-process state only for other dtypes
     # (parameter offload keeps an fp32 parameter's master apart from its shard too).
-    if (master_bytes or nvme_master) and any(
+    if (master_bytes or nvme_master or host_master_bytes) and any(
         sp.requires_grad and sp.dtype != torch.float32 for sp in sps
     ):
         unsharded += trainable * 4
     if stepped:
-        unsharded += int(trainable * (optimizer_bytes + nvme_state) / stepped)
+        state_bytes = optimizer_bytes + nvme_state + host_optimizer_bytes
+        unsharded += int(trainable * state_bytes / stepped)
     gathered = sum(
         sp.numel * sp.param.element_size()
         for sp in sps
@@ -198,4 +216,7 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         nvme_master_bytes=nvme_master,
         nvme_optimizer_bytes=nvme_state,
         nvme_param_bytes=state.param_swap.offloaded_bytes() if state.param_swap else 0,
+        host_param_bytes=host_param_bytes,
+        host_master_bytes=host_master_bytes,
+        host_optimizer_bytes=host_optimizer_bytes,
     )

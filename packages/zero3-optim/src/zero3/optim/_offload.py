@@ -46,6 +46,7 @@ from zero3.core.engine import (
     AlignedBuffer,
     IOPool,
     ShardedModelState,
+    ShardedParam,
     SwapError,
     SwapFile,
     check_free_space,
@@ -69,6 +70,7 @@ __all__ = [
     "OffloadStore",
     "Segment",
     "Slot",
+    "offloaded_count",
     "owners_of",
 ]
 
@@ -128,6 +130,16 @@ def _say_once(message: str) -> None:
     _log.info(message)
 
 
+def _state_of(shard: torch.Tensor) -> tuple[int, int]:
+    """A shard's storage and in-place version: equal while nothing wrote to it."""
+    return shard.data_ptr(), shard._version
+
+
+def offloaded_count(config: OffloadOptimizerConfig, subgroups: int) -> int:
+    """How many of the first sub-groups ``ratio`` offloads (DeepSpeed's partial offload)."""
+    return math.ceil(config.ratio * subgroups - 1e-9) if config.enabled else 0
+
+
 def owners_of(sg: SubGroup, flat: bool) -> list[torch.Tensor]:
     return [sg.master] if flat and sg.master is not None else list(sg.views)
 
@@ -174,31 +186,33 @@ class OffloadStore:
         self.stats = OffloadStats()
         self.kind = self.config.device
         refuse_global_state(optimizer)
-        count = math.ceil(self.config.ratio * len(subgroups) - 1e-9)
-        self._offloaded = list(subgroups[:count])
+        self._offloaded = list(subgroups[: offloaded_count(self.config, len(subgroups))])
         self._slots: dict[int, Slot] = {}
         self._dir: Path | None = None
         self._pool: IOPool | None = None
         # Reads started during the backward, by slot index (taken by the next walk).
         self._ahead: dict[int, Future[AlignedBuffer]] = {}
-        device = subgroups[0].views[0].device if subgroups else torch.device("cpu")
+        device = subgroups[0].params[0].device if subgroups else torch.device("cpu")
+        #: Whether the shards are on an accelerator: the offloaded sub-groups' masters are
+        #: host copies and the optimizer steps them there (``HostStepper`` moves the data).
+        self.host_stepped = device.type != "cpu" and bool(self._offloaded)
         self._pin = self.config.pin_memory and device.type != "cpu"
+        # Shards as the last step left them, (data pointer, version) by parameter index,
+        # and the ones unchanged when the current walk began: a master read back needs
+        # no comparison with an unchanged shard.
+        self._versions: dict[int, tuple[int, int]] = {}
+        self._clean: set[int] = set()
         if self.config.pin_memory and device.type == "cpu":
             _say_once(
                 "zero3: offload_optimizer.pin_memory is a no-op without an accelerator "
                 "(host memory needs no page-locking to be read by the CPU)"
             )
-        if device.type != "cpu":
-            raise NotImplementedError(
-                f"offload_optimizer {self.kind!r} with parameters on {device} is not "
-                "implemented yet (only CPU-resident shards); set offload_optimizer "
-                '{"device": "none"}'
-            )
         if self.kind == "cpu":
-            _say_once(
-                "zero3: offload_optimizer cpu on a CPU run: the masters and optimizer state "
-                "are in host memory already, nothing moves"
-            )
+            if device.type == "cpu":
+                _say_once(
+                    "zero3: offload_optimizer cpu on a CPU run: the masters and optimizer "
+                    "state are in host memory already, nothing moves"
+                )
             return
         error: BaseException | None = None
         try:
@@ -352,10 +366,13 @@ class OffloadStore:
             view.set_(values[offset : offset + n])  # type: ignore[call-overload]
             sp.master = view
             # An edit made while the master was out reached the shard only: take it. An
-            # offloaded shard says whether it was edited (no read of every shard).
+            # offloaded shard says whether it was edited; another one is compared only
+            # if it changed since the last step wrote it.
             if sp.home is not None and not self._zstate.take_shard_edit(sp):
                 continue
-            shard = sp.shard[:n]
+            if sp.home is None and sp.index in self._clean:
+                continue
+            shard = sp.shard[:n].to(view.device)  # a device shard: read to the host
             edited = shard != view.to(shard.dtype)
             if bool(edited.any()):
                 view[edited] = shard[edited].to(torch.float32)
@@ -397,6 +414,21 @@ class OffloadStore:
             sg.master.set_(_empty_like(sg.master))  # type: ignore[call-overload]
         slot.buffer, slot.resident = None, False
 
+    def mark_written(self, params: Sequence[ShardedParam]) -> None:
+        """The step wrote these parameters' shards from their masters (as they are now)."""
+        for sp in params:
+            if sp.home is None:  # an offloaded shard says itself whether it was edited
+                self._versions[sp.index] = _state_of(sp.held_shard)
+
+    def _note_clean(self) -> None:
+        """Which offloaded masters' shards are still as the last step wrote them."""
+        self._clean = {
+            sp.index
+            for slot in self._slots.values()
+            for sp in slot.sg.params
+            if sp.home is None and self._versions.get(sp.index) == _state_of(sp.held_shard)
+        }
+
     def _commit_shards(self, slot: Slot) -> None:
         """Stepped masters into the shards before the masters leave (commit_step then
         finds no master to copy for them).
@@ -434,6 +466,7 @@ class OffloadStore:
         in memory until the next step writes them out again.
         """
         self.settle_ahead()
+        self._note_clean()
         error: BaseException | None = None
         try:
             for slot in self._slots.values():
@@ -469,6 +502,7 @@ class OffloadStore:
         offloaded ones in ahead and out behind; all writes done on return.
         """
         start = time.perf_counter()
+        self._note_clean()  # before the walk's own writes change any shard
         error: BaseException | None = None
         try:
             for slot in self._slots.values():
@@ -582,7 +616,8 @@ class _Walk:
                 self._swap_in(slot)
             step(batch)
             for slot in slots:
-                store._commit_shards(slot)
+                if not store.host_stepped:  # else the step has queued the shards' uploads
+                    store._commit_shards(slot)
                 buf = store._pack(slot)
                 self.stepping -= 1
                 if slot.nbytes:

@@ -34,8 +34,9 @@ from zero3.core.engine import (
     sharded_state,
 )
 from zero3.optim import _optim_checkpoint, _records
+from zero3.optim._host_step import HostStepper
 from zero3.optim._loss_scale import LossScaler
-from zero3.optim._offload import OffloadStats, OffloadStore
+from zero3.optim._offload import OffloadStats, OffloadStore, offloaded_count
 
 __all__ = ["PartitionedOptimizer", "SubGroup"]
 
@@ -63,6 +64,11 @@ class SubGroup:
     def tensors(self) -> list[torch.Tensor]:
         """Everything that may carry a ``.grad`` for the wrapped optimizer."""
         return [*([self.master] if self.master is not None else []), *self.views]
+
+
+def _on_host(sg: SubGroup) -> bool:
+    """Whether a sub-group's masters are host copies of shards on an accelerator."""
+    return sg.master is not None and sg.master.device.type != sg.params[0].device.type
 
 
 def _normalize_groups(module: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -233,17 +239,24 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         )
         self.fp16 = any(sp.dtype == torch.float16 for sg in self._subgroups for sp in sg.params)
         self._grads_unscaled = False
-        self._fp32_scratch: torch.Tensor | None = None
+        self._fp32_scratch: dict[torch.device, torch.Tensor] = {}
         self.last_grad_norm: float | None = None
         self._offload: OffloadStore | None = None
+        self._host: HostStepper | None = None
         if config.offload_optimizer.enabled:
             self._offload = OffloadStore(self._zstate, self.optimizer, self._subgroups, flat)
+            if self._offload.host_stepped:
+                self._host = HostStepper(
+                    self._subgroups[0].params[0].device,
+                    config.offload_optimizer.pin_memory,
+                    self._zstate.grad_shard,
+                )
         self._constructed = True
 
     # -- masters ----------------------------------------------------------------------------
 
     def _build_masters(self, groups: list[dict[str, Any]], sub_group_size: int) -> list[SubGroup]:
-        subgroups: list[SubGroup] = []
+        chunks: list[tuple[int, list[ShardedParam]]] = []
         for g_index, g in enumerate(groups):
             members: list[ShardedParam] = []
             for p in g["params"]:
@@ -257,19 +270,28 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             for sp in [*members, None]:
                 if sp is None or (chunk and size + sp.local_numel > sub_group_size):
                     if chunk:
-                        subgroups.append(self._subgroup(g_index, chunk))
+                        chunks.append((g_index, chunk))
                     chunk, size = [], 0
                 if sp is not None:
                     chunk.append(sp)
                     size += sp.local_numel
-        return subgroups
+        # Offloaded sub-groups of shards on an accelerator keep their masters on the host.
+        config = self._zstate.config.offload_optimizer
+        on_device = bool(chunks) and chunks[0][1][0].device.type != "cpu"
+        host = offloaded_count(config, len(chunks)) if on_device else 0
+        return [
+            self._subgroup(group, chunk, host=i < host) for i, (group, chunk) in enumerate(chunks)
+        ]
 
-    def _subgroup(self, group: int, members: list[ShardedParam]) -> SubGroup:
+    def _subgroup(self, group: int, members: list[ShardedParam], *, host: bool) -> SubGroup:
         offsets, cursor = [], 0
         for sp in members:
             offsets.append(cursor)
             cursor += sp.shard_numel
-        if not self.flat and all(sp.dtype == torch.float32 and sp.home is None for sp in members):
+        if host:
+            master, views = self._zstate.make_masters(members, device=torch.device("cpu"))
+            return SubGroup(group, members, offsets, master, views, [False] * len(members))
+        if not self.flat and all(sp.dtype == torch.float32 and not sp.offloaded for sp in members):
             # fp32 parameters, one tensor each: the shard is the master. No extra copy of
             # the fp32 state, nothing to write back (and in a world of one the shard is
             # the parameter itself, so the step updates it in place).
@@ -433,6 +455,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 size = 0
             batches[-1].append(sg)
             size += sg.numel
+        if self._host is not None:  # gradients of host-stepped sub-groups to the host
+            self._host.begin([[sg for sg in b if _on_host(sg)] for b in batches])
         if self._offload is not None and self._offload.nvme:
             # Swapped in ahead and out behind, one batch at a time.
             self._offload.run(batches, self._step_batch)
@@ -452,14 +476,20 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         for sg in batch:
             for view in sg.tensors():
                 view.grad = None
+            if self._host is not None and self._host.steps(sg):
+                self._host.upload(sg)  # overlaps the next batch's step
 
     def _set_grads(self, sg: SubGroup, scratch_offset: int) -> int:
         """Attach fp32 gradients to a sub-group's tensors; return the elements given."""
-        grads = [self._zstate.grad_shard(sp) for sp in sg.params]
+        if self._host is not None and self._host.steps(sg):
+            grads = self._host.grads(sg)  # host copies of this rank's real elements
+        else:
+            grads = [self._zstate.grad_shard(sp) for sp in sg.params]
         if all(g is None for g in grads):
             return 0
         if self.flat and sg.master is not None:
-            scratch = self._scratch(scratch_offset + sg.master.numel())[scratch_offset:]
+            scratch = self._scratch(scratch_offset + sg.master.numel(), sg.master.device)
+            scratch = scratch[scratch_offset:]
             scratch.zero_()
             for sp, offset, grad in zip(sg.params, sg.offsets, grads, strict=True):
                 if grad is not None:
@@ -477,15 +507,20 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             given += 0 if grad is None else max(1, sp.local_numel)
         return given
 
-    def _scratch(self, numel: int) -> torch.Tensor:
-        if self._fp32_scratch is None or self._fp32_scratch.numel() < numel:
-            device = self._subgroups[0].views[0].device
-            self._fp32_scratch = torch.empty(numel, dtype=torch.float32, device=device)
-        return self._fp32_scratch[:numel]
+    def _scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        scratch = self._fp32_scratch.get(device)
+        if scratch is None or scratch.numel() < numel:
+            scratch = torch.empty(numel, dtype=torch.float32, device=device)
+            self._fp32_scratch[device] = scratch
+        return scratch[:numel]
 
     def _write_back(self) -> None:
         """Stepped masters go back into the model (non-fp32 shards; whole parameters)."""
-        self._zstate.commit_step(sp for sg in self._subgroups for sp in sg.params)
+        written = self._host.finish() if self._host is not None else set()
+        params = [sp for sg in self._subgroups for sp in sg.params]
+        self._zstate.commit_step(params, written=written)
+        if self._offload is not None:
+            self._offload.mark_written(params)
 
     def _end_window(self, *, clear: bool = False) -> None:
         self._grads_unscaled = False

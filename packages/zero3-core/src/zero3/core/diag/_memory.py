@@ -112,6 +112,13 @@ class MemoryStats:
         nvme_optimizer_bytes: Optimizer state bytes in swap files now (likewise).
         nvme_param_bytes: Parameter shard bytes parameter offload keeps in its swap file
             now (``offload_param: nvme``; not in :attr:`param_bytes`).
+        host_param_bytes: Parameter shard bytes in host memory while the model is on
+            an accelerator (``offload_param: cpu``); not in :attr:`param_bytes`.
+        host_master_bytes: fp32 master bytes in host memory while the shards are on an
+            accelerator (``offload_optimizer: cpu``, or an nvme record read back);
+            not in :attr:`master_bytes`. Zero on a CPU run, where host memory is where
+            everything is.
+        host_optimizer_bytes: Optimizer state bytes in host memory likewise.
 
     Where it lives: :attr:`held_bytes` is in the memory of the device the shards are on
     (host memory on a CPU run), :attr:`nvme_bytes` in this rank's swap files.
@@ -137,6 +144,9 @@ class MemoryStats:
     nvme_master_bytes: int = 0
     nvme_optimizer_bytes: int = 0
     nvme_param_bytes: int = 0
+    host_param_bytes: int = 0
+    host_master_bytes: int = 0
+    host_optimizer_bytes: int = 0
 
     @property
     def nvme_bytes(self) -> int:
@@ -159,6 +169,9 @@ class MemoryStats:
             "buffer pool cache (peak)": self.peak_pool_bytes,
             "zero3 transient at once (peak)": self.peak_engine_bytes,
             "model state in swap files (NVMe offload)": self.nvme_bytes,
+            "model state in host memory (offload on an accelerator)": (
+                self.host_param_bytes + self.host_master_bytes + self.host_optimizer_bytes
+            ),
         }
 
     @property

@@ -55,6 +55,7 @@ from zero3.core.files._swap import (
 from zero3.core.params._params import ParamOffloadError, ShardedParam, ShardReadError
 
 __all__ = [
+    "HostShards",
     "ParamSwap",
     "ParamSwapStats",
     "PlannedShard",
@@ -153,6 +154,8 @@ class ParamSwap:
         aio: How the file is read and written.
         rank: This rank (names the directory).
         all_reduce: The model's small all-reduce (agreeing on write errors at steps).
+        pin: Read shards into page-locked buffers (the model is on an accelerator and
+            ``pin_memory`` is set: the gather's copy to the device reads them).
     """
 
     def __init__(
@@ -162,8 +165,11 @@ class ParamSwap:
         aio: AioConfig,
         rank: int,
         all_reduce: AllReduce,
+        *,
+        pin: bool = False,
     ) -> None:
         self.config = config
+        self._pin = pin
         self.stats = ParamSwapStats()
         self._rank = rank
         self._all_reduce = all_reduce
@@ -248,7 +254,7 @@ class ParamSwap:
 
     def _read(self, sp: ShardedParam) -> AlignedBuffer:
         region = self._regions[sp.index]
-        buf = AlignedBuffer(region.nbytes)
+        buf = AlignedBuffer(region.nbytes, pin=self._pin)
         self._file.read(buf, region.nbytes, offset=region.offset)
         return buf
 
@@ -404,6 +410,35 @@ class ParamSwap:
                 sp.shard = values.clone()
         self._resident.clear()
         self._files.remove()
+
+
+class HostShards:
+    """``offload_param: cpu`` with the model on an accelerator: the shards of the
+    non-persistent parameters live in host memory (page-locked with ``pin_memory``), and
+    each gather copies them to the device as it packs its send chunk. The optimizer
+    writes the stepped values into them; persistent parameters stay on the device.
+
+    Args:
+        pin: Page-lock the host copies.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._indices: set[int] = set()
+
+    def plan(self, indices: Iterable[int]) -> None:
+        """The parameters (by index) whose shards go to host memory."""
+        self._indices = set(indices)
+
+    def store(self, index: int, shard: torch.Tensor) -> torch.Tensor:
+        """A shard just cut: its host copy if parameter ``index``'s goes there, else
+        ``shard``.
+        """
+        if index not in self._indices or shard.device.type == "cpu":
+            return shard
+        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
+        host.copy_(shard)
+        return host
 
 
 def _empty(sp: ShardedParam) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from zero3.core.model._adopt import (
     relabel,
 )
 from zero3.core.model._param_offload import (
+    HostShards,
     ParamSwap,
     PlannedShard,
     raise_if_any_rank_failed,
@@ -123,6 +124,8 @@ class ShardedModelState:
         check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
         #: Where ``offload_param: nvme`` keeps the parameter shards (None: in memory).
         self.param_swap: ParamSwap | None = None
+        #: ``offload_param: cpu`` with the model on an accelerator: the shards' host copies.
+        self._host_shards: HostShards | None = None
         self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
@@ -169,20 +172,21 @@ class ShardedModelState:
         if not section.enabled:
             return None
         device = next((p.device for _, p in named if not p.is_meta), self.comm.device())
-        if device.type != "cpu":
-            raise NotImplementedError(
-                f"offload_param {section.device!r} with parameters on {device} is not "
-                "implemented yet (only CPU-resident shards); set offload_param "
-                '{"device": "none"}'
-            )
         world = self.comm.world_size
-        if section.device == "cpu" or world == 1:
-            why = (
-                "the shards are in host memory already on a CPU run"
-                if section.device == "cpu"
-                else "in a world of one the shards are the parameters themselves"
+        if world == 1:
+            say_once(
+                f"zero3: offload_param {section.device}: nothing moves (in a world of one "
+                "the shards are the parameters themselves, kept whole where they are)"
             )
-            say_once(f"zero3: offload_param {section.device}: nothing moves ({why})")
+            return None
+        if section.device == "cpu":
+            if device.type == "cpu":
+                say_once(
+                    "zero3: offload_param cpu: nothing moves (the shards are in host memory "
+                    "already on a CPU run)"
+                )
+            else:  # shards in host memory, copied to the device by each gather
+                self._host_shards = HostShards(section.pin_memory)
             return None
         plan = [
             PlannedShard(index, -(-param.numel() // world), self.config.param_dtype or param.dtype)
@@ -192,7 +196,10 @@ class ShardedModelState:
         swap: ParamSwap | None = None
         error: BaseException | None = None
         try:
-            swap = ParamSwap(plan, section, self.config.aio, self.comm.rank, self.all_reduce)
+            swap = ParamSwap(
+                plan, section, self.config.aio, self.comm.rank, self.all_reduce,
+                pin=section.pin_memory and device.type != "cpu",
+            )  # fmt: skip
         except (SwapError, OSError) as exc:
             error = exc
         raise_if_any_rank_failed(
@@ -283,12 +290,23 @@ class ShardedModelState:
                 check_eager_agree(self.comm, eager_named)
             # The swap file, if any, is opened only now: every check above has passed.
             swap = self.param_swap = self._open_param_swap(named)
-            shards = builder.run(keep=swap.store if swap is not None else None)
+            host = self._host_shards
+            if host is not None:  # offload_param cpu on an accelerator
+                world = self.comm.world_size
+                host.plan(
+                    i
+                    for i, (_, p) in enumerate(named)
+                    if not is_persistent(p.numel(), world, self.config)
+                )
+            keep = swap.store if swap is not None else host.store if host is not None else None
+            shards = builder.run(keep=keep)
             params = []
             for index, (name, param) in enumerate(named):
                 sp = self._shard(index, name, param, shards.get(index))
                 if swap is not None and swap.offloads(index):
                     swap.adopt(sp)  # a shard cut here (eager) goes out before the next
+                elif host is not None:
+                    sp.shard = host.store(index, sp.shard)
                 params.append(sp)
             if swap is not None:
                 swap.finish_build(self._build_all_reduce, self.grad_comm.device())
@@ -617,7 +635,10 @@ class ShardedModelState:
         return self.reducer.grad_shard(sp)
 
     def make_masters(
-        self, params: Sequence[ShardedParam]
+        self,
+        params: Sequence[ShardedParam],
+        *,
+        device: torch.device | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Lay out fp32 masters for ``params`` (an optimizer sub-group): one flat buffer of
         their padded shards back to back, and each one's real elements in it.
@@ -626,14 +647,21 @@ class ShardedModelState:
         nothing to write back); any other dtype keeps its shard and its region becomes
         the master, which :meth:`commit_step` copies back and writes keep in step with
         edits made outside the optimizer (loading, ``gathered_parameters``).
+
+        Args:
+            params: The sub-group's parameters (one device).
+            device: Where the buffer lives (default: the shards' device). On another
+                device (host masters of shards on an accelerator, for optimizer
+                offload) every master is a copy of its own, fp32 ones too.
         """
-        device = params[0].device
-        flat = torch.empty(sum(sp.shard_numel for sp in params), dtype=torch.float32, device=device)
+        home = params[0].device
+        where = home if device is None else device
+        flat = torch.empty(sum(sp.shard_numel for sp in params), dtype=torch.float32, device=where)
         views, cursor = [], 0
         # With offloaded shards in the sub-group every master is a copy of its own: a
         # shard moved into the buffer would keep the whole buffer (the offloaded
         # parameters' masters too) in memory when optimizer offload empties it.
-        separate = any(sp.home is not None for sp in params)
+        separate = where != home or any(sp.offloaded for sp in params)
         for sp in params:
             region = flat[cursor : cursor + sp.shard_numel]
             cursor += sp.shard_numel
@@ -667,15 +695,21 @@ class ShardedModelState:
             self.grad_comm.all_reduce(tensor, op=op).wait()
         self.stats.current.other_collectives += 1
 
-    def commit_step(self, params: Iterable[ShardedParam]) -> None:
+    def commit_step(self, params: Iterable[ShardedParam], *, written: Collection[int] = ()) -> None:
         """An optimizer stepped these parameters' masters: copy each separate master into
         its shard (in the parameter's dtype), then gather again, in one refresh, the ones
         whole on this rank.
+
+        Args:
+            params: The stepped parameters.
+            written: Indices of parameters whose shards the optimizer has written itself
+                (host masters copied to the device on a stream of their own); their
+                masters are not copied again.
         """
         whole_here = []
         with torch.no_grad():
             for sp in params:
-                if sp.master is not None:
+                if sp.master is not None and sp.index not in written:
                     sp.write_local(sp.master, masters=False, stepped=True)
                 if not sp.aliases_param and whole(sp):
                     whole_here.append(sp)

@@ -244,6 +244,13 @@ class ShardedParam:
         return self.home is None or self._shard.numel() == self.shard_numel
 
     @property
+    def offloaded(self) -> bool:
+        """Whether parameter offload keeps the shard away from the parameter's device
+        (in a swap file, or in host memory while the model is on an accelerator).
+        """
+        return self.home is not None or self._shard.device != self.param.device
+
+    @property
     def device(self) -> torch.device:
         """Where the shard lives when resident (the parameter's device)."""
         return self.param.device

@@ -1,0 +1,230 @@
+"""Optimizer offload with the model on an accelerator (the zdev simulated device).
+
+Rank ``r`` keeps its shards on ``zdev:r``. Two sharded copies of one model train side by
+side in every worker: one with its optimizer on the device, one with
+``offload_optimizer`` (cpu or nvme), whose masters and optimizer state live on the host
+and step there while gradient shards go device→host and stepped shards host→device on
+copy streams of their own. Both optimizers use torch's single-tensor kernels
+(``foreach=False``: the device run would otherwise take the multi-tensor path), so the
+shards must match bit for bit after every step. The race detector is on throughout:
+a copy the compute stream does not wait for, or a staging buffer reused before its copy
+is over, raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from zero3.core import Zero3Config, local_grad
+from zero3.core.engine import sharded_state
+from zero3.hooks import memory_stats, shard_module, stats
+from zero3.optim import PartitionedOptimizer
+from zero3.testing.models import OPTIMIZERS, build, loss_of
+
+pytestmark = [pytest.mark.device, pytest.mark.multirank, pytest.mark.timeout(300)]
+
+LOCAL = 2
+STEPS = 3
+
+# (optimizer, param_dtype, offload device, pin, accumulate, clip, overflow at, ratio, flat)
+CASES: dict[str, tuple[str, str | None, str, bool, int, float | None, int | None, float, bool]] = {
+    "adamw-fp32-cpu-pinned": ("adamw", None, "cpu", True, 1, None, None, 1.0, False),
+    "adamw-bf16-nvme-pinned": ("adamw", "bf16", "nvme", True, 1, 0.05, None, 1.0, False),
+    "adagrad-bf16-cpu": ("adagrad", "bf16", "cpu", False, 1, None, None, 1.0, False),
+    "sgd-accumulate-clip-nvme": ("sgd-momentum", None, "nvme", True, 2, 0.05, None, 1.0, False),
+    "adamw-fp16-overflow-cpu": ("adamw", "fp16", "cpu", True, 1, None, 1, 1.0, False),
+    "adamw-fp32-half-offloaded": ("adamw", None, "cpu", True, 1, None, None, 0.5, False),
+    "adamw-bf16-flat-nvme": ("adamw", "bf16", "nvme", True, 1, None, None, 1.0, True),
+}
+
+
+def _sparams(model: torch.nn.Module) -> list[Any]:
+    return list(sharded_state(model).params)
+
+
+def _pair(case: str, root: str) -> dict[str, Any]:
+    """Train the in-device and offloaded copies side by side; compare after every step."""
+    import torch.distributed as dist
+
+    from zero3.testing.device import detector
+
+    name, dtype, kind, pin, accumulate, clip, overflow_at, ratio, flat = CASES[case]
+    dev = torch.device("zdev", int(os.environ["LOCAL_RANK"]))
+    n, r = dist.get_world_size(), dist.get_rank()
+    model, make = build("gpt_tied")
+    model.to(dev)
+    twin = copy.deepcopy(model)
+    base = dict(backend="zdev", param_persistence_threshold=0, gradient_clipping=clip,
+                param_dtype=dtype, initial_scale_power=8, overlap_comm=True,
+                overlap_chunk_size=2000)  # fmt: skip
+    shard_module(model, Zero3Config(**base))
+    offload = {"device": kind, "nvme_path": root, "buffer_count": 2, "pin_memory": pin,
+               "ratio": ratio}  # fmt: skip
+    shard_module(twin, Zero3Config(**base, sub_group_size=700, offload_optimizer=offload))
+    cls, kwargs = OPTIMIZERS[name]
+    opts = [PartitionedOptimizer(m, cls, flat=flat, foreach=False, **kwargs) for m in (model, twin)]
+    store = opts[1].offload
+    assert store is not None and store.host_stepped
+    diffs, syncs = [], []
+    for step in range(STEPS):
+        for m, opt in zip((model, twin), opts, strict=True):
+            for micro in range(accumulate):
+                x = make(LOCAL * n, step * 10 + micro).to(dev)
+                opt.scale_loss(loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])) / accumulate).backward()
+            if step == overflow_at and r == 0:
+                local_grad(next(iter(m.parameters())))[0] = float("inf")
+            before = detector.host_syncs()
+            opt.step()
+            after = detector.host_syncs()
+            syncs.append({k: after[k] - before[k] for k in after})
+            opt.zero_grad()
+        diffs.append(
+            sum(
+                int((a.shard.float() != b.shard.float()).sum().item())
+                for a, b in zip(_sparams(model), _sparams(twin), strict=True)
+            )
+        )
+    memory = memory_stats(twin, opts[1])  # before the masters are read back
+    masters = [
+        int((a.cpu() != b.cpu()).sum())
+        for a, b in zip(opts[0].master_shards(), opts[1].master_shards(), strict=True)
+    ]
+    detector.check()
+    result = {
+        "diffs": diffs,
+        "masters": sum(masters),
+        "master_devices": sorted({str(t.device) for t in opts[1].master_shards()}),
+        "shard_devices": sorted({str(sp.shard.device) for sp in _sparams(twin)}),
+        "in_device_syncs": syncs[0::2],
+        "offloaded_syncs": syncs[1::2],
+        "subgroups": len(opts[1]._subgroups),
+        "gathers": stats(twin).gathers,
+        "reductions": stats(twin).reduce_collectives,
+        "host_bytes": memory.host_master_bytes + memory.host_optimizer_bytes,
+        "nvme_bytes": memory.nvme_bytes,
+        "written": store.stats.written_bytes,
+    }
+    store.close()
+    return result
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_offloaded_training_on_an_accelerator_equals_training_on_it(zdev_pool, case, tmp_path):
+    world = 1 if case == "adamw-fp32-cpu-pinned" else 2
+    results = zdev_pool(world).run(_pair, case, str(tmp_path), timeout=240)
+    _, _, kind, _, _, _, overflow_at, ratio, _ = CASES[case]
+    for rank, result in enumerate(results):
+        assert result["diffs"] == [0] * STEPS and result["masters"] == 0, result
+        assert result["shard_devices"] == [f"zdev:{rank}"], result
+        if ratio == 1.0:
+            assert result["master_devices"] == ["cpu"], result
+        else:  # the first half of the sub-groups on the host, the rest on the device
+            assert result["master_devices"] == ["cpu", f"zdev:{rank}"], result
+        assert result["subgroups"] > 2, result  # several batches: the copies pipeline
+        if world > 1:
+            assert result["gathers"] > 0 and result["reductions"] > 0, result
+        if kind == "nvme":
+            assert result["nvme_bytes"] > 0 and result["written"] > 0, result
+        else:
+            assert result["host_bytes"] > 0, result
+        # After the first step no master is compared with its shard (a blocking read):
+        # the offloaded step reads back no more than the in-device one, plus nvme's two
+        # agreements on I/O faults (before stepping, before writing back).
+        agreements = 2 if kind == "nvme" else 0
+        for step in range(1, STEPS):
+            if step == overflow_at:
+                continue
+            mine, theirs = result["offloaded_syncs"][step], result["in_device_syncs"][step]
+            assert mine["to-host"] <= theirs["to-host"] + agreements, (mine, theirs)
+            assert mine["event"] > 0, mine  # the host waited for its copies, no more
+
+
+# -- parameter offload: shards in host memory or a swap file, gathered to the device -----------
+
+# (optimizer, param_dtype, offload_param device, offload_optimizer device or None, pin)
+PARAM_CASES: dict[str, tuple[str, str | None, str, str | None, bool]] = {
+    "adamw-fp32-params-nvme": ("adamw", None, "nvme", None, True),
+    "adamw-bf16-params-cpu-pinned": ("adamw", "bf16", "cpu", None, True),
+    "adagrad-bf16-both-nvme": ("adagrad", "bf16", "nvme", "nvme", False),
+    "adamw-fp32-both-cpu": ("adamw", None, "cpu", "cpu", True),
+}
+
+
+def _param_pair(case: str, root: str) -> dict[str, Any]:
+    """Train in-device and parameter-offloaded copies side by side on zdev."""
+    import torch.distributed as dist
+
+    from zero3.testing.device import detector
+
+    name, dtype, param_kind, optim_kind, pin = PARAM_CASES[case]
+    dev = torch.device("zdev", int(os.environ["LOCAL_RANK"]))
+    n, r = dist.get_world_size(), dist.get_rank()
+    model, make = build("gpt_tied")
+    model.to(dev)
+    twin = copy.deepcopy(model)
+    base = dict(backend="zdev", param_persistence_threshold=0, param_dtype=dtype,
+                overlap_comm=True, overlap_chunk_size=2000,
+                prefetch_bucket_size=2000)  # fmt: skip
+    shard_module(model, Zero3Config(**base))
+    extra: dict[str, Any] = {
+        "offload_param": {"device": param_kind, "nvme_path": root, "buffer_count": 3,
+                          "max_in_cpu": 0, "pin_memory": pin},
+    }  # fmt: skip
+    if optim_kind is not None:
+        extra["offload_optimizer"] = {"device": optim_kind, "nvme_path": root,
+                                      "buffer_count": 2, "pin_memory": pin}  # fmt: skip
+        extra["sub_group_size"] = 700
+    shard_module(twin, Zero3Config(**base, **extra))
+    cls, kwargs = OPTIMIZERS[name]
+    opts = [PartitionedOptimizer(m, cls, foreach=False, **kwargs) for m in (model, twin)]
+    held = sorted({str(sp.held_shard.device) for sp in _sparams(twin) if sp.held_shard.numel()})
+    diffs = []
+    for step in range(STEPS):
+        for m, opt in zip((model, twin), opts, strict=True):
+            x = make(LOCAL * n, step).to(dev)
+            loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            opt.step()
+            opt.zero_grad()
+        memory = memory_stats(twin, opts[1])  # before the comparison reads shards back
+        pairs = zip(_sparams(model), _sparams(twin), strict=True)
+        diffs.append(sum(int((a.shard.cpu() != b.shard.cpu()).sum()) for a, b in pairs))
+        for sp in _sparams(twin):  # comparing read them back: let them go
+            if sp.home is not None:
+                sp.home.drop(sp)
+    detector.check()
+    swap = sharded_state(twin).param_swap
+    result = {
+        "diffs": diffs,
+        "held": held,
+        "swap": swap is not None,
+        "host_param": memory.host_param_bytes,
+        "nvme_param": memory.nvme_param_bytes,
+        "device_param": memory.param_bytes,
+        "gathers": stats(twin).gathers,
+        "reductions": stats(twin).reduce_collectives,
+        "read": swap.stats.read_bytes if swap is not None else 0,
+    }
+    for opt in opts:
+        if opt.offload is not None:
+            opt.offload.close()
+    return result
+
+
+@pytest.mark.parametrize("case", list(PARAM_CASES))
+def test_parameter_offload_on_an_accelerator_equals_training_on_it(zdev_pool, case, tmp_path):
+    results = zdev_pool(2).run(_param_pair, case, str(tmp_path), timeout=240)
+    _, _, param_kind, _, _ = PARAM_CASES[case]
+    for result in results:
+        assert result["diffs"] == [0] * STEPS, result
+        assert result["gathers"] > 0 and result["reductions"] > 0, result
+        if param_kind == "cpu":  # every shard (none persistent) in host memory
+            assert result["held"] == ["cpu"] and result["host_param"] > 0, result
+            assert result["device_param"] == 0 and not result["swap"], result
+        else:  # in the swap file between uses, read back for each gather
+            assert result["held"] == [] and result["nvme_param"] > 0, result
+            assert result["swap"] and result["read"] > 0, result
