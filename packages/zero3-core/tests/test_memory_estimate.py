@@ -58,6 +58,25 @@ def test_optimizer_offload_moves_masters_and_state_out_of_memory_by_its_ratio(tm
     assert cpu.per_rank_bytes == 16 * psi // 4  # host memory is where a CPU run keeps it all
 
 
+def test_offload_on_an_accelerator_counts_host_memory_apart_from_the_device():
+    psi = 1 << 20
+    plain = estimate_model_states(psi, 4, config=SHARD_ALL, device="cuda")
+    assert plain.per_rank_bytes == 16 * psi // 4 and plain.host_bytes == 0
+    host = Zero3Config(param_persistence_threshold=0, offload_optimizer={"device": "cpu"})
+    est = estimate_model_states(psi, 4, config=host, device="cuda")
+    # fp32 parameters: the shard stays on the device, a host master of 4 bytes per
+    # element appears beside the 8 bytes of AdamW state.
+    assert est.host_bytes == 12 * psi // 4 and est.master_bytes == 0
+    assert est.per_rank_bytes == 8 * psi // 4  # parameter and gradient shards
+    both = Zero3Config(
+        param_persistence_threshold=0, param_dtype=torch.bfloat16,
+        offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"},
+    )  # fmt: skip
+    est = estimate_model_states(psi, 4, config=both, device="cuda")
+    assert est.host_bytes == (2 + 4 + 8) * psi // 4 and est.param_bytes == 0
+    assert est.per_rank_bytes == 2 * psi // 4  # the bf16 gradient shards
+
+
 def test_a_model_on_meta_counts_padding_persistence_and_frozen_parameters():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(10, 30), nn.LayerNorm(30), nn.Linear(30, 7))

@@ -214,8 +214,10 @@ class ModelStatesEstimate:
             :attr:`per_rank_bytes`. An offloaded shard's master is a separate fp32 copy
             (in :attr:`master_bytes` unless the optimizer is offloaded too).
         host_bytes: Masters and optimizer state offloaded to host memory
-            (``offload_optimizer: cpu``), per rank; on a CPU run host memory is also
-            where the rest is, and these stay in :attr:`per_rank_bytes`.
+            (``offload_optimizer: cpu``), per rank, and with the model on an
+            accelerator the parameter shards ``offload_param: cpu`` moves there; on a
+            CPU run host memory is also where the rest is, and these stay in
+            :attr:`per_rank_bytes`.
     """
 
     world_size: int
@@ -330,6 +332,7 @@ def estimate_model_states(
     reduce_dtype: torch.dtype | None = None,
     optimizer: str | float = "adamw",
     config: Zero3Config | None = None,
+    device: str | torch.device = "cpu",
 ) -> ModelStatesEstimate:
     """Model-state bytes per rank of a model sharded over ``world_size`` ranks, before
     anything is built (DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live``).
@@ -352,6 +355,10 @@ def estimate_model_states(
             the number of fp32 state values it keeps per element.
         config: Engine settings (persistence threshold, dtypes); default
             ``Zero3Config()``.
+        device: Where the model lives (``"cpu"``, or an accelerator such as
+            ``"cuda"``). On an accelerator what offload keeps in host memory
+            (:attr:`~ModelStatesEstimate.host_bytes`) is not in ``per_rank_bytes``, and
+            an offloaded fp32 parameter gets a host master of its own.
 
     Raises:
         ValueError: Unknown optimizer name, or ``world_size < 1``.
@@ -375,6 +382,10 @@ def estimate_model_states(
     unsharded = 0
     swapping = config.offload_param.device == "nvme" and world_size > 1
     kept = param_nvme = 0  # shard elements max_in_cpu keeps; shard bytes swapped out
+    offload = config.offload_optimizer
+    accelerator = torch.device(device).type != "cpu"
+    to_host = accelerator and config.offload_param.device == "cpu" and world_size > 1
+    host_param = host_fp32_master = 0  # shards in host memory; offloaded fp32 shards' masters
     for numel, own_dtype, trainable in params:
         dtype = param_dtype or own_dtype
         el = torch.empty((), dtype=dtype).element_size()
@@ -392,11 +403,17 @@ def estimate_model_states(
             param_nvme += shard * el
         elif swapping and not whole:
             kept += shard
+        if to_host and not whole:
+            held["param"] -= shard * el
+            host_param += shard * el
         if not trainable:
             continue
         local = min(shard, numel)
         held["grad"] += shard * grad_el if world_size > 1 else numel * grad_el
-        held["master"] += 0 if dtype == torch.float32 and not swapped else shard * 4
+        aliased = dtype == torch.float32 and not swapped and not (to_host and not whole)
+        held["master"] += 0 if aliased else shard * 4
+        if aliased and accelerator and offload.enabled:
+            host_fp32_master += int(shard * 4 * offload.ratio)
         held["optimizer"] += int(local * states * 4)
         unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
         unsharded += int(numel * states * 4)
@@ -404,16 +421,16 @@ def estimate_model_states(
         (torch.empty((), dtype=param_dtype or d).element_size() for _, d, _ in params), default=4
     )
     window, buffers = _window_estimate(model, world_size, config, el)
-    offload = config.offload_optimizer
     moved = {"master": 0, "optimizer": 0}
     if offload.device in ("cpu", "nvme"):
         moved = {k: int(held[k] * offload.ratio) for k in moved}
-    if offload.device == "nvme":  # out of memory between steps
+    if offload.device == "nvme" or accelerator:  # out of (device) memory
         held["master"] -= moved["master"]
         held["optimizer"] -= moved["optimizer"]
+    moved["master"] += host_fp32_master
     return ModelStatesEstimate(
         nvme_bytes=(sum(moved.values()) if offload.device == "nvme" else 0) + param_nvme,
-        host_bytes=sum(moved.values()) if offload.device == "cpu" else 0,
+        host_bytes=(sum(moved.values()) if offload.device == "cpu" else 0) + host_param,
         world_size=world_size,
         numel=sum(n for n, _, _ in params),
         param_bytes=held["param"],
