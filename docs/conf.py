@@ -71,7 +71,7 @@ nitpick_ignore_regex = [
     # annotations use.
     (
         r"py:(class|obj|exc)",
-        r"collections\.abc\.(Callable|Iterable|Iterator|Mapping|Sequence)"
+        r"collections\.abc\.(Callable|Collection|Iterable|Iterator|Mapping|Sequence)"
         r"|abc\.ABC|enum\.(Int)?Enum|os\.PathLike|threading\.Thread|types\.ModuleType"
         r"|io\.BytesIO|pathlib\.Path|concurrent\.futures\._base\.Future",
     ),
