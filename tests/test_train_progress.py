@@ -108,3 +108,20 @@ def test_the_summary_says_why_tensors_are_not_sharded(sharded, expected):
     text = sharded_share(psi_s, 1000, sharded, 16, Zero3Config(backend="gloo"))
     assert text.startswith(expected), text
     assert ("--param-persistence-threshold 0" in text) == (sharded == 0)
+
+
+def test_the_summary_says_where_a_host_stepped_offload_step_went():
+    from _train.report import METRICS, _offload_line
+
+    from zero3.core import Zero3Config
+
+    row = dict.fromkeys(METRICS, 0.0)
+    row.update(step_time=2.0, swap_walk=0.5, copy_wait=0.1, to_host=2**20, to_device=2**19)
+    line = _offload_line(Zero3Config(offload_optimizer={"device": "cpu"}), [row])
+    assert line.startswith("optimizer offload: cpu (stepped on the host)"), line
+    assert "host-side step 0.500 s in a step of 2.000 s" in line, line
+    assert "gradients to the host 1.0 MiB, stepped shards to the device 0.5 MiB" in line, line
+    assert "waited 0.100 s" in line, line
+    row.update(to_host=0.0, to_device=0.0)  # a CPU run: nothing moved
+    line = _offload_line(Zero3Config(offload_optimizer={"device": "cpu"}), [row])
+    assert line == "optimizer offload: cpu (state in host memory; no swap I/O)", line

@@ -108,6 +108,9 @@ def _pair(case: str, root: str) -> dict[str, Any]:
         "host_bytes": memory.host_master_bytes + memory.host_optimizer_bytes,
         "nvme_bytes": memory.nvme_bytes,
         "written": store.stats.written_bytes,
+        "to_host": store.stats.to_host_bytes,
+        "to_device": store.stats.to_device_bytes,
+        "host_step_s": store.stats.step_s,
     }
     store.close()
     return result
@@ -134,6 +137,10 @@ def test_offloaded_training_on_an_accelerator_equals_training_on_it(zdev_pool, c
         else:  # the first half of the sub-groups on the host, the rest on the device
             assert result["master_devices"] == ["cpu", f"zdev:{rank}"], result
         assert result["subgroups"] > 2, result  # several batches: the copies pipeline
+        # The last step's copies, counted: every offloaded gradient came down, every
+        # stepped shard went up (gradients in the reduce dtype, shards in theirs).
+        assert result["to_host"] > 0 and result["to_device"] > 0, result
+        assert result["host_step_s"] > 0, result
         if world > 1:
             assert result["gathers"] > 0 and result["reductions"] > 0, result
         if kind == "nvme":

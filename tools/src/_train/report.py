@@ -53,6 +53,9 @@ METRICS = [
     "param_written",
     "param_io_wait",
     "param_nvme",
+    "copy_wait",
+    "to_host",
+    "to_device",
 ]
 
 
@@ -97,6 +100,8 @@ def rank_metrics(
           for f in ("io_wait_s", "step_s", "read_bytes", "written_bytes", "read_ahead_bytes")),
         *_param_swap_row(state.param_swap, max(1, len(step_times))),
         memory.nvme_param_bytes,
+        *(statistics.median(getattr(w, f) for w in swaps) if swaps else 0.0
+          for f in ("copy_wait_s", "to_host_bytes", "to_device_bytes")),
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
 
@@ -297,16 +302,28 @@ def _memory_lines(per_rank: list[dict[str, float]], window: str) -> list[str]:
 def _offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
     """Where the offloaded optimizer's time went (median step, slowest rank)."""
     section = config.offload_optimizer
+    worst = max(per_rank, key=lambda r: r["io_wait"] + r["copy_wait"])
+    # The model on an accelerator: the gradients came down and the shards went up.
+    copies = (
+        f"; gradients to the host {_mb(worst['to_host'])}, stepped shards to the device "
+        f"{_mb(worst['to_device'])}, the host waited {worst['copy_wait']:.3f} s for copies"
+        if worst["to_host"] or worst["to_device"]
+        else ""
+    )
     if section.device != "nvme":
+        if copies:
+            return (
+                f"optimizer offload: cpu (stepped on the host): per step, host-side step "
+                f"{worst['swap_walk']:.3f} s in a step of {worst['step_time']:.3f} s{copies}"
+            )
         return f"optimizer offload: {section.device} (state in host memory; no swap I/O)"
-    worst = max(per_rank, key=lambda r: r["io_wait"])
     return (
         f"optimizer offload (nvme, {section.nvme_path}, sub_group_size "
         f"{config.sub_group_size:,}): per step, I/O wait {worst['io_wait']:.3f} s of the "
         f"sub-group walk {worst['swap_walk']:.3f} s (the rest is stepping overlapped with "
         f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])} "
         f"({_mb(worst['swap_read_ahead'])} of it started during the backward), "
-        f"written {_mb(worst['swap_written'])}"
+        f"written {_mb(worst['swap_written'])}{copies}"
     )
 
 

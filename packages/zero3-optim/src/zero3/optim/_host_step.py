@@ -23,6 +23,7 @@ Note (one step, over the batches of offloaded sub-groups, in order):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ import torch
 
 from zero3.comm import Event, Stream
 from zero3.core.engine import ShardedParam
+from zero3.optim._offload import OffloadStats
 
 if TYPE_CHECKING:
     from zero3.optim._optim_checkpoint import SubGroup
@@ -44,6 +46,12 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def _wait(event: Event, stats: OffloadStats) -> None:
+    begin = time.perf_counter()
+    event.synchronize()
+    stats.copy_wait_s += time.perf_counter() - begin
+
+
 class _Staging:
     """One host buffer reused for one copy at a time, and the copy that last used it."""
 
@@ -51,11 +59,12 @@ class _Staging:
         self.pin = pin
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.done: Event | None = None
+        self.stats = OffloadStats()  # the step's, set by the stepper
 
     def take(self, nbytes: int) -> torch.Tensor:
         """The buffer, at least ``nbytes``, once the copy that used it last is over."""
         if self.done is not None:
-            self.done.synchronize()
+            _wait(self.done, self.stats)
             self.done = None
         if self.buffer.numel() < nbytes:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -99,15 +108,20 @@ class HostStepper:
         self._queued: dict[int, tuple[Event, list[torch.Tensor | None]]] = {}  # by batch
         self._written: set[int] = set()
         self._uploads = 0
+        self.stats = OffloadStats()
 
     def steps(self, sg: SubGroup) -> bool:
         """Whether ``sg`` is stepped on the host by this stepper (this step)."""
         return id(sg) in self._position
 
-    def begin(self, batches: Sequence[Sequence[SubGroup]]) -> None:
+    def begin(self, batches: Sequence[Sequence[SubGroup]], stats: OffloadStats) -> None:
         """Start a step over ``batches`` (each the host sub-groups of one optimizer batch;
-        empty ones are skipped): the first batch's gradients go to the host now.
+        empty ones are skipped): the first batch's gradients go to the host now. The
+        step's waits and bytes are added to ``stats``.
         """
+        self.stats = stats
+        for staging in (*self._down_staging, *self._up_staging):
+            staging.stats = stats
         self._batches = [list(b) for b in batches if b]
         self._position = {id(sg): i for i, b in enumerate(self._batches) for sg in b}
         self._queued.clear()
@@ -137,6 +151,7 @@ class HostStepper:
                 view = next(views)
                 view.copy_(grad[: sp.local_numel], non_blocking=True)
                 host.append(view)
+                self.stats.to_host_bytes += view.numel() * view.element_size()
         staging.done = self._down.record_event()
         self._queued[index] = (staging.done, host)
 
@@ -149,7 +164,7 @@ class HostStepper:
         if index + 1 < len(self._batches) and index + 1 not in self._queued:
             self._download(index + 1)
         done, host = self._queued[index]
-        done.synchronize()
+        _wait(done, self.stats)
         start = sum(len(s.params) for s in self._batches[index][: self._batches[index].index(sg)])
         return host[start : start + len(sg.params)]
 
@@ -168,6 +183,7 @@ class HostStepper:
                 else:
                     sp.shard[: sp.local_numel].copy_(view, non_blocking=True)
                 self._written.add(sp.index)
+                self.stats.to_device_bytes += view.numel() * view.element_size()
         staging.done = self._up.record_event()
 
     def finish(self) -> set[int]:

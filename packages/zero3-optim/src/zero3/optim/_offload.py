@@ -88,11 +88,16 @@ class OffloadStats:
 
     Attributes:
         io_wait_s: Seconds ``step()`` waited for reads and writes.
-        step_s: Seconds of the whole offloaded step walk (stepping + waiting).
+        step_s: Seconds of the whole offloaded step walk (stepping + waiting; with
+            ``cpu`` on an accelerator, the host-side step with its copies).
         read_bytes: Bytes read from swap files.
         read_ahead_bytes: Of those, bytes whose read started during the backward (at
             its half).
         written_bytes: Bytes written to swap files.
+        copy_wait_s: With the model on an accelerator: seconds the host waited for
+            gradient shards to reach it and for upload buffers to be free again.
+        to_host_bytes: Gradient bytes copied device→host (model on an accelerator).
+        to_device_bytes: Stepped shard bytes copied host→device (likewise).
     """
 
     io_wait_s: float = 0.0
@@ -100,6 +105,9 @@ class OffloadStats:
     read_bytes: int = 0
     read_ahead_bytes: int = 0
     written_bytes: int = 0
+    copy_wait_s: float = 0.0
+    to_host_bytes: int = 0
+    to_device_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -455,14 +456,18 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 size = 0
             batches[-1].append(sg)
             size += sg.numel
-        if self._host is not None:  # gradients of host-stepped sub-groups to the host
-            self._host.begin([[sg for sg in b if _on_host(sg)] for b in batches])
+        start = time.perf_counter()
+        if self._host is not None and self._offload is not None:  # gradients to the host
+            self._host.begin([[sg for sg in b if _on_host(sg)] for b in batches],
+                             self._offload.stats)  # fmt: skip
         if self._offload is not None and self._offload.nvme:
             # Swapped in ahead and out behind, one batch at a time.
             self._offload.run(batches, self._step_batch)
             return
         for batch in batches:
             self._step_batch(batch)
+        if self._host is not None and self._offload is not None:
+            self._offload.stats.step_s = time.perf_counter() - start
 
     def _step_batch(self, batch: list[SubGroup]) -> None:
         scratch_offset = 0

@@ -2,12 +2,13 @@
 
 The reducer owns the bucket plan, the launch order, the gradient-partition buffer (one per
 reduce dtype; the first backward of a window writes it, later ones add, so accumulation
-costs no memory), the in-flight queue and the fingerprint check; how a bucket is reduced
-is a :class:`~zero3.core.engine.ReducePath`. Its half of the epilogue flushes, waits, and
-exchanges one flag per parameter for "got a gradient on some rank" (the optimizer skips
-the rest, as plain PyTorch does) and "arrived after its bucket left" (reentrant
-checkpointing; one more reduction every rank joins). docs/architecture.rst, "The
-epilogue, per graph task".
+costs no memory; it exists from the window's first reduction to its end, as plain
+PyTorch's gradients live from backward to ``zero_grad``), the in-flight queue and the
+fingerprint check; how a bucket is reduced is a :class:`~zero3.core.engine.ReducePath`.
+Its half of the epilogue flushes, waits, and exchanges one flag per parameter for "got a
+gradient on some rank" (the optimizer skips the rest, as plain PyTorch does) and "arrived
+after its bucket left" (reentrant checkpointing; one more reduction every rank joins).
+docs/architecture.rst, "The epilogue, per graph task".
 """
 
 from __future__ import annotations
@@ -61,10 +62,18 @@ class GradPartition:
         """The bucket's region (``bucket.stride`` elements, fingerprint slots last)."""
         buf = self._buffers.get(bucket.dtype)
         if buf is None:
+            # Not zeroed: every bucket is reduced in every backward (missing gradients as
+            # zeros), and the window's first backward overwrites its region. A fresh
+            # host buffer's pages are then touched only as the reductions land, while
+            # the activations they replace are freed (no jump at the backward's start).
             numel = sum(b.stride for b in self._buckets if b.dtype == bucket.dtype)
-            buf = torch.zeros(numel, dtype=bucket.dtype, device=device)
+            buf = torch.empty(numel, dtype=bucket.dtype, device=device)
             self._buffers[bucket.dtype] = buf
         return buf[bucket.partition_offset : bucket.partition_offset + bucket.stride]
+
+    def release(self) -> None:
+        """Let the buffers go (the window is over: nothing reads its gradients)."""
+        self._buffers.clear()
 
     def slot(self, bucket: GradBucket, position: int, device: torch.device) -> torch.Tensor:
         """Member ``position``'s padded shard inside the bucket's region."""
@@ -296,6 +305,9 @@ class GradReducer:
         if clear:
             self._uncleared.zero_()
         self._whole.kept.clear()
+        # The shards are unreadable now (no window flag): between windows the memory is
+        # not zero3's to keep (it would sit under the next forward's activations).
+        self._partition.release()
 
     # -- arrivals -------------------------------------------------------------------------
 
