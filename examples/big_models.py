@@ -66,10 +66,13 @@ shard_module(
     fresh, zero3_config, comm=create_backend("gloo"), param_init_fn=fresh._init_weights
 )
 
-# Train the loaded model one step and see what this rank holds.
+# Train the loaded model one step, and at the next backward see what this rank holds
+# (gradient shards live from a backward to the optimizer step, as plain PyTorch's do).
 opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-3)
 model(input_ids=ids, labels=ids).loss.backward()
 opt.step()
+opt.zero_grad()
+model(input_ids=ids, labels=ids).loss.backward()
 mem = memory_stats(model, opt)
 print(
     f"rank {rank}: holds {mem.held_bytes:,} of {mem.unsharded_bytes:,} "

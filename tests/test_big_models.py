@@ -390,7 +390,13 @@ def _memory_after_a_step() -> dict[str, Any]:
     x = token_batch(61, 16)(LOCAL, comm.rank)
     loss_of(model(x)).backward()
     opt.step()
+    between = memory_stats(model, opt)
+    assert between.grad_bytes == 0  # the window is over: its buffer went
+    # The second backward: optimizer state and gradient shards both held (the estimate's
+    # moment; between windows the gradient buffer is freed).
+    loss_of(model(x)).backward()
     measured = memory_stats(model, opt)
+    assert between.peak_held_bytes == measured.held_bytes == measured.peak_held_bytes
     return {"measured": measured, "estimate": estimate, "step": stats(model)}
 
 

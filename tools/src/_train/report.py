@@ -86,7 +86,7 @@ def rank_metrics(
     memory = memory_stats(model, opt)
     state = sharded_state(model)
     values = [
-        memory.peak_rss_bytes, baseline_rss, memory.held_bytes, memory.unsharded_bytes,
+        memory.peak_rss_bytes, baseline_rss, memory.peak_held_bytes, memory.unsharded_bytes,
         stats.gather_payload_bytes, stats.gather_padding_bytes, stats.gather_fingerprint_bytes,
         stats.reduce_payload_bytes, stats.reduce_padding_bytes, stats.reduce_fingerprint_bytes,
         stats.grad_flag_bytes, stats.refresh_bytes,

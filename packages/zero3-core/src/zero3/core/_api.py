@@ -216,6 +216,7 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         nvme_master_bytes=nvme_master,
         nvme_optimizer_bytes=nvme_state,
         nvme_param_bytes=state.param_swap.offloaded_bytes() if state.param_swap else 0,
+        peak_grad_shard_bytes=state.reducer.peak_shard_bytes,
         host_param_bytes=host_param_bytes,
         host_master_bytes=host_master_bytes,
         host_optimizer_bytes=host_optimizer_bytes,

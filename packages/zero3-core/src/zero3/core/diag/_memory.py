@@ -112,6 +112,9 @@ class MemoryStats:
         nvme_optimizer_bytes: Optimizer state bytes in swap files now (likewise).
         nvme_param_bytes: Parameter shard bytes parameter offload keeps in its swap file
             now (``offload_param: nvme``; not in :attr:`param_bytes`).
+        peak_grad_shard_bytes: Most bytes this rank's gradient shards held at once
+            (:attr:`grad_bytes` is what they hold now: none between windows, the buffer
+            is freed at the optimizer step).
         host_param_bytes: Parameter shard bytes in host memory while the model is on
             an accelerator (``offload_param: cpu``); not in :attr:`param_bytes`.
         host_master_bytes: fp32 master bytes in host memory while the shards are on an
@@ -144,6 +147,7 @@ class MemoryStats:
     nvme_master_bytes: int = 0
     nvme_optimizer_bytes: int = 0
     nvme_param_bytes: int = 0
+    peak_grad_shard_bytes: int = 0
     host_param_bytes: int = 0
     host_master_bytes: int = 0
     host_optimizer_bytes: int = 0
@@ -178,6 +182,14 @@ class MemoryStats:
     def held_bytes(self) -> int:
         """The model state this rank holds (parameters, gradients, masters, optimizer state)."""
         return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def peak_held_bytes(self) -> int:
+        """:attr:`held_bytes` with the gradient shards at their peak (what a step holds
+        during backward; compare with ``estimate_model_states``'s ``per_rank_bytes``).
+        """
+        grads = max(self.grad_bytes, self.peak_grad_shard_bytes)
+        return self.param_bytes + grads + self.master_bytes + self.optimizer_bytes
 
     @property
     def held_fraction(self) -> float:

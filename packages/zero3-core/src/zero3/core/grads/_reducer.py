@@ -197,6 +197,9 @@ class GradReducer:
         self.tracer: Tracer | None = None
         #: The largest full gradient autograd handed over (before its reduction).
         self.peak_grad_bytes = 0
+        #: Most bytes this rank's gradient shards held at once (at a backward's end; the
+        #: buffer is freed between windows, so memory_stats after a step shows none).
+        self.peak_shard_bytes = 0
         self._accumulate = False  # this backward adds to the window's gradient shards
         self._in_epilogue = False
         self._inflight: collections.deque[_Inflight] = collections.deque()
@@ -425,6 +428,8 @@ class GradReducer:
             self._reduce_late(late)
         self._window_flags |= got
         self._uncleared |= got
+        held = sum(t.numel() * t.element_size() for t in self.grad_buffers())
+        self.peak_shard_bytes = max(self.peak_shard_bytes, held)
         self._reset_backward()
 
     def _exchange_flags(self) -> tuple[torch.Tensor, torch.Tensor]:
