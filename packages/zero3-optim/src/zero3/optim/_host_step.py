@@ -182,8 +182,8 @@ class HostStepper:
                     sp.write_local(view, masters=False, stepped=True)
                 else:
                     sp.shard[: sp.local_numel].copy_(view, non_blocking=True)
+                    self.stats.to_device_bytes += view.numel() * view.element_size()
                 self._written.add(sp.index)
-                self.stats.to_device_bytes += view.numel() * view.element_size()
         staging.done = self._up.record_event()
 
     def finish(self) -> set[int]:
