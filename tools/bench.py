@@ -181,8 +181,9 @@ def report(
         if "gathers" in last:
             lines.append(
                 f"\n{name}: {last['gathers']} gathers + {last['reductions']} reductions per step, "
-                f"prefetch hit rate {100 * last['hit_rate']:.0f}%, padding/fingerprint/flag "
-                f"bytes {last['overhead'] / 2**20:.2f} MiB"
+                f"{last.get('headers')} header exchanges per step, prefetch hit rate "
+                f"{100 * last['hit_rate']:.0f}%, padding/fingerprint/flag bytes "
+                f"{last['overhead'] / 2**20:.2f} MiB"
             )
         if "offload" in last:
             lines.append(_offload_line(name, runs, results.get("zero3")))

@@ -126,15 +126,17 @@ def _zero3(
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=w.lr)
     held: list[int] = []  # model state after each backward (gradients and optimizer state)
     walks: list[dict[str, float]] = []  # each offloaded step's walk (read after the next backward)
+    state = sharded_state(model)
+    headers: list[int] = []  # the guard's header exchanges so far, at each backward's end
 
     def after_backward() -> None:
+        headers.append(state.guard.exchanges)
         held.append(memory_stats(model, opt).held_bytes)
         if opt.offload is not None and opt.offload.stats.step_s > 0:
             walks.append(dataclasses.asdict(opt.offload.stats))
 
     step = _loop_step(model, opt, w, rank, world, after_backward)
 
-    state = sharded_state(model)
     psi = sum(sp.numel for sp in state.params)
     sharded = sum(sp.numel for sp in state.params if not sp.persistent) / psi
 
@@ -149,6 +151,8 @@ def _zero3(
             "gathers": s.gathers,
             "reductions": s.reduce_collectives,
             "hit_rate": s.prefetch_hit_rate,
+            # From one backward's end to the next: a whole step (the optimizer's too).
+            "headers": headers[-1] - headers[-2] if len(headers) > 1 else None,
             "held": max(held, default=mem.held_bytes),
             "unsharded": mem.unsharded_bytes,
             "peak_gathered": mem.peak_gathered_bytes,

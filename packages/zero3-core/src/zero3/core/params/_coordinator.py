@@ -32,9 +32,11 @@ Note (holds):
 
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import warnings
+import zlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -484,12 +486,26 @@ class ParamCoordinator:
             handles, self._unverified = self._unverified, []
             verify_fingerprints(handles, self.describe)
 
-    def _announce(self, kind: OpKind, module: int, layout: GatherLayout, at: Moment) -> str:
-        """Exchange the header of a gather; returns how its fingerprints are verified."""
+    def _announce(
+        self, kind: OpKind, gathers: Sequence[tuple[int, GatherLayout]], at: Moment
+    ) -> str:
+        """Exchange one header for ``gathers`` ((module, layout) pairs, issued back to
+        back); returns how their fingerprints are verified. Several gathers (the cuts of
+        one prefetch) share one header naming each one's module, parameters and size,
+        so the ranks meet once per prefetch, not at every cut (docs/architecture.rst,
+        "The collective guard").
+        """
         if not self.guard.active:
             return "later"
-        op = Op(kind, at.step, at.phase, module, layout.param_hash, layout.chunk_bytes)
-        self.guard.check(op)
+        (module, layout), *more = gathers
+        params, nbytes = layout.param_hash, layout.chunk_bytes
+        if more:
+            words = array.array("q")
+            for index, each in gathers:
+                words.extend((index, each.param_hash, each.chunk_bytes))
+            params = zlib.crc32(words.tobytes()) & 0x7FFFFFFF
+            nbytes = sum(each.chunk_bytes for _, each in gathers)
+        self.guard.check(Op(kind, at.step, at.phase, module, params, nbytes))
         return "headers"
 
     def _check_trace(self, index: int, position: int) -> bool:
@@ -532,14 +548,23 @@ class ParamCoordinator:
             self._prefetched.discard(sp.index)
 
     def _issue(
-        self, params: list[ShardedParam], index: int, at: Moment, prefetch: bool
+        self,
+        params: list[ShardedParam],
+        index: int,
+        at: Moment,
+        prefetch: bool,
+        verify: str | None = None,
     ) -> GatherHandle:
+        """Start one gather; ``verify``: its header was exchanged already, with the
+        other gathers of its prefetch (:meth:`_announce`).
+        """
         layout = self._layout(params)
         if index in _PSEUDO_MODULES:
             kind = OpKind.GATHERED
         else:
             kind = OpKind.PREFETCH if prefetch else OpKind.FETCH
-        verify = self._announce(kind, index, layout, at)
+        if verify is None:
+            verify = self._announce(kind, [(index, layout)], at)
         handle = GatherHandle(
             self.comm,
             layout,
@@ -646,7 +671,7 @@ class ParamCoordinator:
         if not params:
             return
         layout = self._layout(sorted(params, key=lambda sp: sp.index))
-        verify = self._announce(OpKind.REFRESH, GATHERED_PARAMETERS, layout, at)
+        verify = self._announce(OpKind.REFRESH, [(GATHERED_PARAMETERS, layout)], at)
         handle = GatherHandle(
             self.comm,
             layout,
@@ -707,11 +732,16 @@ class ParamCoordinator:
                     break
             chosen[sp.index] = (sp, entry_position)
             total += sp.numel
-        handles = [
-            self._issue(piece, trace.modules[first], at, prefetch=True)
-            for first, piece in self._chunks(list(chosen.values()))
+        if not chosen:
+            return
+        pieces = [
+            (trace.modules[first], piece) for first, piece in self._chunks(list(chosen.values()))
         ]
-        if handles and self.config.overlap_comm:
+        verify = self._announce(OpKind.PREFETCH, [(m, self._layout(p)) for m, p in pieces], at)
+        handles = [
+            self._issue(piece, module, at, prefetch=True, verify=verify) for module, piece in pieces
+        ]
+        if self.config.overlap_comm:
             self._inflight.append(handles)
 
     def read_ahead(self, position: int) -> None:
