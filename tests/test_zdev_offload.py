@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from zero3.core import Zero3Config, estimate_model_states, local_grad
+from zero3.core import Zero3Config, estimate_model_states, local_grad, local_shard
 from zero3.core.engine import sharded_state
 from zero3.hooks import memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer
@@ -162,14 +162,32 @@ def test_offloaded_training_on_an_accelerator_equals_training_on_it(zdev_pool, c
 
 
 # -- parameter offload: shards in host memory or a swap file, gathered to the device -----------
+#
+# With ``cpu`` the coordinator reads the next gathers' host shards ahead onto the device, on
+# an upload stream (HostShards): from the second step on, a gather packs each host shard
+# from its copy ahead (the compute stream waits for the copy's event; a missing wait, or a
+# copy freed without record_stream, is a race the detector raises) and makes no blocking
+# host-to-device copy for it; one not read ahead is packed from the host, counted.
 
-# (optimizer, param_dtype, offload_param device, offload_optimizer device or None, pin)
-PARAM_CASES: dict[str, tuple[str, str | None, str, str | None, bool]] = {
-    "adamw-fp32-params-nvme": ("adamw", None, "nvme", None, True),
-    "adamw-bf16-params-cpu-pinned": ("adamw", "bf16", "cpu", None, True),
-    "adagrad-bf16-both-nvme": ("adagrad", "bf16", "nvme", "nvme", False),
-    "adamw-fp32-both-cpu": ("adamw", None, "cpu", "cpu", True),
+#: The largest fetch unit of gpt_tied (an MLP linear, 4096 + 128 elements): a prefetch of
+#: one unit, as the auto window gives a model above its floor. The coordinator reads host
+#: shards ahead by one prefetch's shards, so with it every gather finds its copy ahead.
+UNIT = 4224
+
+# (optimizer, param_dtype, offload_param device, offload_optimizer device or None, pin,
+#  prefetch_bucket_size, edit a host shard in place before step 2 of 0, 1, 2)
+PARAM_CASES: dict[str, tuple[str, str | None, str, str | None, bool, int, bool]] = {
+    "adamw-fp32-params-nvme": ("adamw", None, "nvme", None, True, 2000, False),
+    "adamw-bf16-params-cpu-pinned": ("adamw", "bf16", "cpu", None, True, UNIT, False),
+    "adagrad-bf16-both-nvme": ("adagrad", "bf16", "nvme", "nvme", False, 2000, False),
+    "adamw-fp32-both-cpu": ("adamw", None, "cpu", "cpu", True, UNIT, False),
+    # A window smaller than a unit (some gathers miss their copy, counted), pageable host
+    # shards, and an in-place edit that outdates a copy already read ahead.
+    "adamw-bf16-params-cpu-small-edited": ("adamw", "bf16", "cpu", None, False, 2000, True),
+    # Masters in a swap file between steps: the host shards say whether they were edited.
+    "adamw-bf16-cpu-optim-nvme": ("adamw", "bf16", "cpu", "nvme", True, UNIT, False),
 }
+EDITED = "wte.weight"  # the first shard the trace gathers: read ahead at every commit
 
 
 def _param_pair(case: str, root: str) -> dict[str, Any]:
@@ -178,7 +196,7 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
 
     from zero3.testing.device import detector
 
-    name, dtype, param_kind, optim_kind, pin = PARAM_CASES[case]
+    name, dtype, param_kind, optim_kind, pin, prefetch, edit = PARAM_CASES[case]
     dev = torch.device("zdev", int(os.environ["LOCAL_RANK"]))
     n, r = dist.get_world_size(), dist.get_rank()
     model, make = build("gpt_tied")
@@ -186,7 +204,7 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
     twin = copy.deepcopy(model)
     base = dict(backend="zdev", param_persistence_threshold=0, param_dtype=dtype,
                 overlap_comm=True, overlap_chunk_size=2000,
-                prefetch_bucket_size=2000)  # fmt: skip
+                prefetch_bucket_size=prefetch)  # fmt: skip
     shard_module(model, Zero3Config(**base))
     extra: dict[str, Any] = {
         "offload_param": {"device": param_kind, "nvme_path": root, "buffer_count": 3,
@@ -200,11 +218,21 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
     cls, kwargs = OPTIMIZERS[name]
     opts = [PartitionedOptimizer(m, cls, foreach=False, **kwargs) for m in (model, twin)]
     held = sorted({str(sp.held_shard.device) for sp in _sparams(twin) if sp.held_shard.numel()})
-    diffs = []
+    host = sharded_state(twin).host_shards
+    diffs, found, uploads = [], [], []
     for step in range(STEPS):
         for m, opt in zip((model, twin), opts, strict=True):
+            if edit and step == 2:  # the same edit of both: the twin's copy ahead is stale
+                local_shard(dict(m.named_parameters())[EDITED]).mul_(0.5)
             x = make(LOCAL * n, step).to(dev)
+            before = (host.stats.ahead, host.stats.on_demand) if host is not None else (0, 0)
+            syncs = detector.host_syncs()["to-device"]
             loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            # Blocking host-to-device copies in the forward and backward: a gather that
+            # packs a host shard not read ahead makes one, one read ahead makes none.
+            uploads.append(detector.host_syncs()["to-device"] - syncs)
+            if m is twin and host is not None:
+                found.append((host.stats.ahead - before[0], host.stats.on_demand - before[1]))
             opt.step()
             opt.zero_grad()
         memory = memory_stats(twin, opts[1])  # before the comparison reads shards back
@@ -225,6 +253,11 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
         "gathers": stats(twin).gathers,
         "reductions": stats(twin).reduce_collectives,
         "read": swap.stats.read_bytes if swap is not None else 0,
+        "unit": sharded_state(twin).window.unit_numel,
+        "found": found,  # per step: (host shards packed from a copy ahead, from the host)
+        "in_device_uploads": uploads[0::2],
+        "offloaded_uploads": uploads[1::2],
+        "unused_bytes": host.stats.unused_bytes if host is not None else 0,
     }
     for opt in opts:
         if opt.offload is not None:
@@ -235,16 +268,36 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
 @pytest.mark.parametrize("case", list(PARAM_CASES))
 def test_parameter_offload_on_an_accelerator_equals_training_on_it(zdev_pool, case, tmp_path):
     results = zdev_pool(2).run(_param_pair, case, str(tmp_path), timeout=240)
-    _, _, param_kind, _, _ = PARAM_CASES[case]
+    _, _, param_kind, _, _, prefetch, edit = PARAM_CASES[case]
     for result in results:
         assert result["diffs"] == [0] * STEPS, result
         assert result["gathers"] > 0 and result["reductions"] > 0, result
         if param_kind == "cpu":  # every shard (none persistent) in host memory
             assert result["held"] == ["cpu"] and result["host_param"] > 0, result
             assert result["device_param"] == 0 and not result["swap"], result
+            _check_read_ahead(result, prefetch, edit)
         else:  # in the swap file between uses, read back for each gather
             assert result["held"] == [] and result["nvme_param"] > 0, result
             assert result["swap"] and result["read"] > 0, result
+
+
+def _check_read_ahead(result: dict[str, Any], prefetch: int, edit: bool) -> None:
+    """Host shards reach their gathers through copies read ahead onto the device."""
+    found, mine, theirs = result["found"], result["offloaded_uploads"], result["in_device_uploads"]
+    ahead, on_demand = found[0]
+    assert ahead == 0 and on_demand > 0, result  # the first step records the trace
+    for step in range(1, STEPS):
+        ahead, on_demand = found[step]
+        assert ahead > 0, result
+        # Each shard packed from the host is one blocking copy more than the in-device
+        # model makes; each packed from its copy ahead is none.
+        assert mine[step] - theirs[step] == on_demand, result
+    if prefetch >= result["unit"]:  # a prefetch's shards cover every next gather
+        assert [f[1] for f in found[1:]] == [0] * (STEPS - 1), result
+        assert mine[1:] == theirs[1:] and result["unused_bytes"] == 0, result
+    if edit:  # the edited shard's copy ahead was not used: packed from the host instead
+        assert found[2] == (found[1][0] - 1, found[1][1] + 1), result
+        assert result["unused_bytes"] > 0, result
 
 
 # -- checkpoints of offloaded state, on the device -------------------------------------------

@@ -55,7 +55,6 @@ from zero3.core.files._swap import (
 from zero3.core.params._params import ParamOffloadError, ShardedParam, ShardReadError
 
 __all__ = [
-    "HostShards",
     "ParamSwap",
     "ParamSwapStats",
     "PlannedShard",
@@ -157,6 +156,9 @@ class ParamSwap:
         pin: Read shards into page-locked buffers (the model is on an accelerator and
             ``pin_memory`` is set: the gather's copy to the device reads them).
     """
+
+    #: A read of the file can fail: gathers of its shards check their fingerprints at once.
+    reads_can_fail = True
 
     def __init__(
         self,
@@ -288,6 +290,12 @@ class ParamSwap:
             budget -= 1
             room -= sp.shard_numel
 
+    def for_gather(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s shard for the gather packing it: read back (or taken from its read
+        ahead) into host memory; the gather's copy to the device reads it there.
+        """
+        return sp.shard
+
     def bring_in(self, sp: ShardedParam) -> torch.Tensor:
         """Read ``sp``'s shard back (see the ShardHome protocol)."""
         future = self._reads.pop(sp.index, None)
@@ -410,35 +418,6 @@ class ParamSwap:
                 sp.shard = values.clone()
         self._resident.clear()
         self._files.remove()
-
-
-class HostShards:
-    """``offload_param: cpu`` with the model on an accelerator: the shards of the
-    non-persistent parameters live in host memory (page-locked with ``pin_memory``), and
-    each gather copies them to the device as it packs its send chunk. The optimizer
-    writes the stepped values into them; persistent parameters stay on the device.
-
-    Args:
-        pin: Page-lock the host copies.
-    """
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self._indices: set[int] = set()
-
-    def plan(self, indices: Iterable[int]) -> None:
-        """The parameters (by index) whose shards go to host memory."""
-        self._indices = set(indices)
-
-    def store(self, index: int, shard: torch.Tensor) -> torch.Tensor:
-        """A shard just cut: its host copy if parameter ``index``'s goes there, else
-        ``shard``.
-        """
-        if index not in self._indices or shard.device.type == "cpu":
-            return shard
-        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin)
-        host.copy_(shard)
-        return host
 
 
 def _empty(sp: ShardedParam) -> torch.Tensor:

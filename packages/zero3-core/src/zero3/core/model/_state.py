@@ -33,8 +33,8 @@ from zero3.core.model._adopt import (
     prepare_params,
     relabel,
 )
+from zero3.core.model._host_shards import HostShards
 from zero3.core.model._param_offload import (
-    HostShards,
     ParamSwap,
     PlannedShard,
     raise_if_any_rank_failed,
@@ -124,8 +124,9 @@ class ShardedModelState:
         check_same_model(self.guard, describe_model(module, config, _LEAF_MARKED.__contains__))
         #: Where ``offload_param: nvme`` keeps the parameter shards (None: in memory).
         self.param_swap: ParamSwap | None = None
-        #: ``offload_param: cpu`` with the model on an accelerator: the shards' host copies.
-        self._host_shards: HostShards | None = None
+        #: ``offload_param: cpu`` with the model on an accelerator: the shards in host
+        #: memory and their copies read ahead onto the device (None: not offloaded so).
+        self.host_shards: HostShards | None = None
         self.params: list[ShardedParam] = self._partition(param_init_fn, checkpoint)
         for sp in self.params:
             sp.version = sp.param._version  # whole data == shards from here on
@@ -152,7 +153,10 @@ class ShardedModelState:
         )
         for sp in self.params:  # param.grad asks the reducer (parameters unfrozen later too)
             sp.grads = self.step
-        self.coordinator.shard_home = self.param_swap
+        # Offloaded shards are read ahead in trace order: from the swap file, or from
+        # host memory onto the device.
+        swap = self.param_swap
+        self.coordinator.shard_home = swap if swap is not None else self.host_shards
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
         self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
@@ -185,8 +189,8 @@ class ShardedModelState:
                     "zero3: offload_param cpu: nothing moves (the shards are in host memory "
                     "already on a CPU run)"
                 )
-            else:  # shards in host memory, copied to the device by each gather
-                self._host_shards = HostShards(section.pin_memory)
+            else:  # shards in host memory, read ahead onto the device for each gather
+                self.host_shards = HostShards(section.pin_memory)
             return None
         plan = [
             PlannedShard(index, -(-param.numel() // world), self.config.param_dtype or param.dtype)
@@ -290,7 +294,7 @@ class ShardedModelState:
                 check_eager_agree(self.comm, eager_named)
             # The swap file, if any, is opened only now: every check above has passed.
             swap = self.param_swap = self._open_param_swap(named)
-            host = self._host_shards
+            host = self.host_shards
             if host is not None:  # offload_param cpu on an accelerator
                 world = self.comm.world_size
                 host.plan(
@@ -306,7 +310,7 @@ class ShardedModelState:
                 if swap is not None and swap.offloads(index):
                     swap.adopt(sp)  # a shard cut here (eager) goes out before the next
                 elif host is not None:
-                    sp.shard = host.store(index, sp.shard)
+                    host.adopt(sp)  # its shard in host memory, HostShards its home
                 params.append(sp)
             if swap is not None:
                 swap.finish_build(self._build_all_reduce, self.grad_comm.device())
@@ -677,9 +681,15 @@ class ShardedModelState:
 
     def take_shard_edit(self, sp: ShardedParam) -> bool:
         """Whether ``sp``'s offloaded shard was set from outside the optimizer since the
-        optimizer last asked (a load, ``gathered_parameters``); asking clears it.
+        optimizer last asked (a load, ``gathered_parameters``, an in-place edit of a host
+        shard); asking clears it.
         """
-        return self.param_swap is not None and self.param_swap.take_edit(sp)
+        swap, host = self.param_swap, self.host_shards
+        if swap is not None and sp.home is swap:
+            return swap.take_edit(sp)
+        if host is not None and sp.home is host:
+            return host.take_edit(sp)
+        return False
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """A small all-reduce on the gradient backend (norms, overflow flags), counted."""
@@ -777,6 +787,9 @@ class ShardedModelState:
         if self.param_swap is not None:  # shards back in memory, the swap file removed
             self.param_swap.close()
             self.param_swap = self.coordinator.shard_home = None
+        if self.host_shards is not None:  # the whole parameters are on the device now
+            self.host_shards.clear()
+            self.coordinator.shard_home = None
         for sp in self.params:
             _params.unregister(sp.param)
             _params.undress_sharded(sp.param)

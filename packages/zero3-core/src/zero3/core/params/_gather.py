@@ -155,25 +155,28 @@ class GatherHandle:
         #: This rank's failure to read an offloaded shard back (it sends zeros and an
         #: "I/O failed" fingerprint instead, so every rank raises at finish).
         self.read_error: ShardReadError | None = None
-        failed, offloaded = -1, False
+        failed, fallible = -1, False
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.itemsize
+            home = sp.home
             try:
-                shard = sp.shard
+                # An offloaded shard comes from its home: a copy read ahead onto the
+                # device where there is one (this stream waits for it), else the shard.
+                shard = sp.shard if home is None else home.for_gather(sp)
             except ShardReadError as exc:
                 self.read_error, failed = self.read_error or exc, sp.index
                 send[offset : offset + nbytes].zero_()
             else:
                 send[offset : offset + nbytes].copy_(shard.view(torch.uint8))
-                if sp.home is not None:
-                    sp.home.drop(sp)  # packed: the gathered copy is what is used now
-                    offloaded = True
+                if home is not None:
+                    home.drop(sp)  # packed: the gathered copy is what is used now
+            fallible = fallible or (home is not None and home.reads_can_fail)
             sp.set_status(ParamStatus.INFLIGHT)
         if self.read_error is not None:
             send[-FINGERPRINT_BYTES:].copy_(layout.read_failed_print(module_index, failed))
         else:
             send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
-        if offloaded or self.read_error is not None:
+        if fallible or self.read_error is not None:
             self.verify = "now"  # a rank that could not read its shard stops every rank here
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there

@@ -127,8 +127,9 @@ class ShardReadError(RuntimeError):
 
 
 class ShardHome(Protocol):
-    """Where a parameter's shard lives between uses when ``offload_param`` moves it out
-    of memory (the model state's parameter swap).
+    """Where a parameter's shard lives between uses when ``offload_param`` moves it away
+    from the parameter's device: a swap file (``ParamSwap``), or host memory while the
+    model is on an accelerator (``HostShards``).
 
     Note (a shard read on demand):
         Every reader of :attr:`zero3.core.engine.ShardedParam.shard` gets the values:
@@ -136,10 +137,24 @@ class ShardHome(Protocol):
         the home drops it again (after the gather that packed it, after an optimizer
         step writes it, or when the model state settles the shards), so code that
         reads shards outside the hot path needs no knowledge of offload. The gather
-        path reads ahead in trace order so that it rarely waits. An in-place edit of a
-        resident shard moves its version counter, and the home writes it back before
-        dropping it.
+        path reads ahead in trace order so that it rarely waits, and packs what
+        :meth:`for_gather` gives it. An in-place edit of a resident shard moves its
+        version counter, and the home writes it back before dropping it.
     """
+
+    #: Whether reading a shard back can fail (a file): every gather of its shards then
+    #: checks its fingerprints at once, so that all ranks stop at a gather one rank
+    #: could not fill (the same on every rank: it is the home's kind, not its state).
+    reads_can_fail: bool
+
+    def for_gather(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s shard for the gather that packs it now, on the current stream: a
+        copy already on the parameter's device where the home read one ahead (the
+        current stream waits for it; the host does not), else :attr:`ShardedParam.shard`
+        (read back if out). Valid until the gather has packed it and dropped ``sp``.
+        Raises :class:`ShardReadError` as :meth:`bring_in` does.
+        """
+        ...
 
     def bring_in(self, sp: ShardedParam) -> torch.Tensor:
         """Read ``sp``'s shard back (or take a read already under way); it is resident
@@ -158,9 +173,10 @@ class ShardHome(Protocol):
         ...
 
     def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
-        """Set this rank's real elements of ``sp`` to ``values`` on disk (the shard is
-        not resident afterwards). ``edit``: the values come from outside the optimizer
-        (a load, ``gathered_parameters``), which the optimizer's masters must take.
+        """Set this rank's real elements of ``sp`` to ``values`` in its home (a swap
+        file's shard is not resident afterwards; nothing read ahead before the write is
+        used after it). ``edit``: the values come from outside the optimizer (a load,
+        ``gathered_parameters``), which the optimizer's masters must take.
         """
         ...
 
@@ -195,8 +211,9 @@ class ShardedParam:
             (zero3's own fills and writes never move it).
         grads: Where its gradients go, asked when ``param.grad`` is read (None: not
             trainable when sharded, or not wired yet).
-        home: Where its shard lives between uses when ``offload_param`` moves it out of
-            memory (None: always resident).
+        home: Where its shard lives between uses when ``offload_param`` moves it away
+            from the parameter's device (a swap file, or host memory while the model is
+            on an accelerator; None: on the parameter's device, always resident).
     """
 
     index: int
