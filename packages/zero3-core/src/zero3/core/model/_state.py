@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero3.comm import CommBackend, ReduceOp
-from zero3.core.config._config import Zero3Config, is_persistent
+from zero3.core.config._config import Zero3Config
 from zero3.core.config._leaves import match_leaf_modules
 from zero3.core.config._window import GatherWindow
 from zero3.core.construct._materialize import (
@@ -24,7 +24,6 @@ from zero3.core.construct._materialize import (
 from zero3.core.diag._guard import CollectiveGuard, Op, OpKind, waiting_for
 from zero3.core.diag._stats import StatsBook, StepStats
 from zero3.core.diag._tracer import Tracer
-from zero3.core.files._swap import SwapError
 from zero3.core.grads._reducer import GradReducer
 from zero3.core.model._adopt import (
     ADOPT_TITLE,
@@ -33,20 +32,17 @@ from zero3.core.model._adopt import (
     prepare_params,
     relabel,
 )
+from zero3.core.model._convert import cast_param, check_device, refuse_cast
 from zero3.core.model._host_shards import HostShards
-from zero3.core.model._param_offload import (
-    ParamSwap,
-    PlannedShard,
-    raise_if_any_rank_failed,
-    say_once,
-)
+from zero3.core.model._param_offload import ParamSwap
+from zero3.core.model._partition import new_sharded_param, open_shard_home
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
 from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
 from zero3.core.params import _params
 from zero3.core.params._broadcast import broadcast_from_rank0
 from zero3.core.params._coordinator import GATHERED_PARAMETERS, UNSHARDED, ParamCoordinator
-from zero3.core.params._params import ParamOffloadError, ParamStatus, ShardedParam
+from zero3.core.params._params import ParamStatus, ShardedParam
 from zero3.core.params._pool import BufferPool
 
 __all__ = [
@@ -167,59 +163,6 @@ class ShardedModelState:
         #: Counts adoptions (:meth:`adopt`): the hooks install theirs on new modules.
         self.structure_version = 0
 
-    def _open_param_swap(self, named: list[tuple[str, nn.Parameter]]) -> ParamSwap | None:
-        """The swap file ``offload_param: nvme`` streams the shards into, laid out from
-        the parameters' sizes before any is cut; agreed by every rank: one that cannot
-        create its file fails them all, before anything is built.
-        """
-        section = self.config.offload_param
-        if not section.enabled:
-            return None
-        device = next((p.device for _, p in named if not p.is_meta), self.comm.device())
-        world = self.comm.world_size
-        if world == 1:
-            say_once(
-                f"zero3: offload_param {section.device}: nothing moves (in a world of one "
-                "the shards are the parameters themselves, kept whole where they are)"
-            )
-            return None
-        if section.device == "cpu":
-            if device.type == "cpu":
-                say_once(
-                    "zero3: offload_param cpu: nothing moves (the shards are in host memory "
-                    "already on a CPU run)"
-                )
-            else:  # shards in host memory, read ahead onto the device for each gather
-                self.host_shards = HostShards(section.pin_memory)
-            return None
-        plan = [
-            PlannedShard(index, -(-param.numel() // world), self.config.param_dtype or param.dtype)
-            for index, (_, param) in enumerate(named)
-            if not is_persistent(param.numel(), world, self.config)
-        ]
-        swap: ParamSwap | None = None
-        error: BaseException | None = None
-        try:
-            swap = ParamSwap(
-                plan, section, self.config.aio, self.comm.rank, self.all_reduce,
-                pin=section.pin_memory and device.type != "cpu",
-            )  # fmt: skip
-        except (SwapError, OSError) as exc:
-            error = exc
-        raise_if_any_rank_failed(
-            self._build_all_reduce, self.comm.rank, self.grad_comm.device(), error,
-            lambda message: ParamOffloadError(f"zero3: parameter offload failed on {message}"),
-        )  # fmt: skip
-        assert swap is not None
-        if swap.kept_numel and self.comm.rank == 0:
-            _log.info(
-                "zero3: offload_param nvme: %s shard elements per rank stay in host memory "
-                "(offload_param.max_in_cpu = %s); %s go to %s",
-                f"{swap.kept_numel:,}", f"{section.max_in_cpu:,}",
-                f"{sum(s.numel for s in plan) - swap.kept_numel:,}", swap.path.parent,
-            )  # fmt: skip
-        return swap
-
     def _build_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
         """The small all-reduce of construction (the step's :meth:`all_reduce` names a
         step in its timeout messages).
@@ -293,15 +236,12 @@ class ShardedModelState:
             elif not self.config.sync_module_states:
                 check_eager_agree(self.comm, eager_named)
             # The swap file, if any, is opened only now: every check above has passed.
-            swap = self.param_swap = self._open_param_swap(named)
-            host = self.host_shards
-            if host is not None:  # offload_param cpu on an accelerator
-                world = self.comm.world_size
-                host.plan(
-                    i
-                    for i, (_, p) in enumerate(named)
-                    if not is_persistent(p.numel(), world, self.config)
-                )
+            home = open_shard_home(
+                self.config, self.comm, named, step_all_reduce=self.all_reduce,
+                build_all_reduce=self._build_all_reduce, agree_on=self.grad_comm.device(),
+            )  # fmt: skip
+            swap = self.param_swap = home if isinstance(home, ParamSwap) else None
+            host = self.host_shards = home if isinstance(home, HostShards) else None
             keep = swap.store if swap is not None else host.store if host is not None else None
             shards = builder.run(keep=keep)
             params = []
@@ -316,6 +256,14 @@ class ShardedModelState:
                 swap.finish_build(self._build_all_reduce, self.grad_comm.device())
             return params
 
+    def _shard(
+        self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
+    ) -> ShardedParam:
+        """Record one parameter's partition (``shard``: already cut) as this model's."""
+        sp = new_sharded_param(index, name, param, self.config, self.comm, shard)
+        _PARAM_STATE[param] = self
+        return sp
+
     def _direct_params(self) -> list[list[ShardedParam]]:
         """For each module, the sharded parameters it owns directly (records owners)."""
         by_param = {id(sp.param): sp for sp in self.params}
@@ -326,49 +274,6 @@ class ShardedModelState:
                 sp.owners.append(mod_name or "<root>")
             direct.append(own)
         return direct
-
-    def _shard(
-        self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
-    ) -> ShardedParam:
-        """Record one parameter's partition. ``shard``: this rank's shard, already cut
-        (the materializer's; the parameter then holds no bytes).
-        """
-        world, rank = self.comm.world_size, self.comm.rank
-        numel = param.numel()
-        shard_numel = -(-numel // world)
-        if shard is not None:
-            pass  # cut by the materializer
-        elif world == 1:
-            # Note: a world of one has nothing to shard. The "shard" is the parameter's
-            # own data and the parameter stays whole (persistent): no gathers, and the
-            # optimizer steps the parameter in place, so a single process pays nothing.
-            shard = param.detach().reshape(-1)
-        else:
-            flat = param.detach().reshape(-1)
-            start = min(rank * shard_numel, numel)
-            stop = min(start + shard_numel, numel)
-            shard = torch.zeros(shard_numel, dtype=param.dtype, device=param.device)
-            shard[: stop - start].copy_(flat[start:stop])
-        sp = ShardedParam(
-            index=index,
-            name=name,
-            param=param,
-            shape=param.shape,
-            numel=numel,
-            shard_numel=shard_numel,
-            _shard=shard,
-            persistent=is_persistent(numel, world, self.config),
-            rank=rank,
-            world_size=world,
-            aliases_param=world == 1,
-        )
-        _params.register(sp)
-        _PARAM_STATE[param] = self
-        _params.dress_sharded(param)
-        if not sp.persistent:
-            _params.free_full(param)
-            sp.set_status(ParamStatus.NOT_AVAILABLE)
-        return sp
 
     @property
     def window(self) -> GatherWindow:
@@ -805,23 +710,13 @@ class ShardedModelState:
     def convert(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> bool:
         """Apply ``module.to(device, dtype)`` to the sharded parameters: cast each
         floating-point parameter's shard (and its whole data where it is whole here) to
-        ``dtype``; check that ``device`` is where the comm backend moves tensors.
-        Returns whether anything was cast (``zero3.hooks.ShardedModule.to`` calls it).
+        ``dtype``; check that ``device`` is where the comm backend moves tensors
+        (``model/_convert.py`` says why a device is only checked, and why no cast comes
+        after an optimizer is built). Returns whether anything was cast
+        (``zero3.hooks.ShardedModule.to`` calls it).
 
         A cast is collective (it first merges pending edits, as :meth:`synchronize`
         does): every rank casts. A call that changes nothing is local and free.
-
-        Note (why a device is only checked):
-            A sharded parameter lives where its comm backend gathers and reduces it
-            (``shard_module`` refuses any other device), so the one device a sharded
-            model can be "moved" to is the one it is on; any other is an error naming
-            both, not a silent copy the backend could not use.
-
-        Note (no cast once an optimizer exists):
-            A ``PartitionedOptimizer`` keeps an fp32 master of every parameter it steps
-            (for an fp32 parameter, the shard itself) and writes its results back in the
-            parameter's dtype, so that dtype is part of the optimizer's layout. Casting
-            after building one is refused: cast first (or set ``Zero3Config.param_dtype``).
 
         Raises:
             ValueError: ``device`` is not the comm backend's; the cast would change
@@ -830,7 +725,7 @@ class ShardedModelState:
             TypeError: ``dtype`` is not a floating-point dtype.
         """
         if device is not None:
-            self._check_device(torch.device(device))
+            check_device(self.module, self.comm, self.params, torch.device(device))
         if dtype is None:
             return False
         if not dtype.is_floating_point:
@@ -840,75 +735,20 @@ class ShardedModelState:
         changing = [sp for sp in self.params if sp.dtype.is_floating_point and sp.dtype != dtype]
         if not changing:
             return False
-        stepped = [sp.name for sp in changing if sp.index in self._optimizer_of]
-        if stepped:
-            raise ValueError(
-                f"zero3: cannot cast {type(self.module).__name__} to {dtype}: a "
-                f"PartitionedOptimizer already keeps fp32 masters of {stepped[:3]} (and "
-                f"{max(0, len(stepped) - 3)} more) in their current dtype "
-                f"({changing[0].dtype}). Cast the model (model.to({dtype})) or set "
-                "Zero3Config.param_dtype before building the optimizer"
-            )
-        busy = self.step.busy
-        pinned = [sp.name for sp in changing if sp.pinned]
-        if busy or pinned:
-            where = (
-                f"inside a gathered_parameters block holding {pinned[:3]}"
-                if pinned
-                else "in the middle of a step or a gradient accumulation window"
-            )
-            raise ValueError(
-                f"zero3: cannot cast {type(self.module).__name__} to {dtype} {where}; "
-                "cast between steps, after the optimizer step (or zero_grad)"
-            )
-        if self.param_swap is not None:
-            raise ValueError(
-                f"zero3: cannot cast {type(self.module).__name__} to {dtype}: its parameter "
-                "shards are offloaded (offload_param), laid out in their swap file by "
-                "dtype; cast before shard_module (or set Zero3Config.param_dtype)"
-            )
+        refuse_cast(
+            self.module, dtype, changing,
+            stepped=[sp.name for sp in changing if sp.index in self._optimizer_of],
+            busy=self.step.busy, swapped=self.param_swap is not None,
+        )  # fmt: skip
         self.coordinator.release_kept()  # frozen_params' whole copies: cast the shards only
         self.synchronize()  # whole parameters' edits reach the shards before the cast
         with torch.no_grad():
             for sp in changing:
-                self._cast(sp, dtype)
+                cast_param(sp, dtype)
         self.reducer.replan(self.coordinator.leaf_of())  # buckets and gradient buffers by dtype
         for trace in self.coordinator.traces.values():
             trace.invalidate()
         return True
-
-    def _check_device(self, device: torch.device) -> None:
-        here = self.params[0].device if self.params else self.comm.device()
-        # Every CPU index names the same memory ("cpu:0" is what some launchers give).
-        if device.type == here.type and (
-            device.type == "cpu" or device.index in (None, here.index)
-        ):
-            return
-        raise ValueError(
-            f"zero3: cannot move the sharded {type(self.module).__name__} to {device}: its "
-            f"{self.comm.name!r} comm backend gathers and reduces {self.comm.device_type} "
-            f"tensors and the shards live on {here}. Move the model before shard_module, "
-            "with a backend for that device (Zero3Config.backend)"
-        )
-
-    def _cast(self, sp: ShardedParam, dtype: torch.dtype) -> None:
-        """Cast one parameter's shard and, where it has them, its whole data."""
-        param = sp.param
-        if sp.aliases_param:  # a world of one: the shard is the parameter's own data
-            param.data = param.data.to(dtype)
-            sp.shard = param.detach().reshape(-1)
-        elif whole(sp):
-            sp.shard = sp.shard.to(dtype)
-            param.data = param.data.to(dtype)
-        else:
-            sp.shard = sp.shard.to(dtype)
-            # The released parameter keeps its shape with no bytes: give it an empty
-            # storage of the new dtype (allocated, then freed, one parameter at a time).
-            sp.set_status(ParamStatus.AVAILABLE)  # its own class again, so .data may be set
-            param.data = torch.empty(sp.shape, dtype=dtype, device=param.device)
-            _params.free_full(param)
-            sp.set_status(ParamStatus.NOT_AVAILABLE)
-        sp.version = param._version
 
 
 def _duplicate(comm: CommBackend) -> CommBackend:
