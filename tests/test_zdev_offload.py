@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from zero3.core import Zero3Config, estimate_model_states, local_grad, local_shard
+from zero3.core import (
+    ParamOffloadError,
+    Zero3Config,
+    estimate_model_states,
+    local_grad,
+    local_shard,
+)
 from zero3.core.engine import sharded_state
 from zero3.hooks import memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer
@@ -167,7 +173,10 @@ def test_offloaded_training_on_an_accelerator_equals_training_on_it(zdev_pool, c
 # an upload stream (HostShards): from the second step on, a gather packs each host shard
 # from its copy ahead (the compute stream waits for the copy's event; a missing wait, or a
 # copy freed without record_stream, is a race the detector raises) and makes no blocking
-# host-to-device copy for it; one not read ahead is packed from the host, counted.
+# host-to-device copy for it; one not read ahead is packed from the host, counted. With
+# ``nvme`` (ParamSwap) a shard read ahead from its file goes on to the device the same way
+# once its read is in, and a gather whose shard's read was not in queues the copy itself:
+# no gather of a shard from the file makes a blocking host-to-device copy, in any step.
 
 #: The largest fetch unit of gpt_tied (an MLP linear, 4096 + 128 elements): a prefetch of
 #: one unit, as the auto window gives a model above its floor. The coordinator reads host
@@ -177,9 +186,12 @@ UNIT = 4224
 # (optimizer, param_dtype, offload_param device, offload_optimizer device or None, pin,
 #  prefetch_bucket_size, edit a host shard in place before step 2 of 0, 1, 2)
 PARAM_CASES: dict[str, tuple[str, str | None, str, str | None, bool, int, bool]] = {
-    "adamw-fp32-params-nvme": ("adamw", None, "nvme", None, True, 2000, False),
+    "adamw-fp32-params-nvme": ("adamw", None, "nvme", None, True, UNIT, False),
     "adamw-bf16-params-cpu-pinned": ("adamw", "bf16", "cpu", None, True, UNIT, False),
+    # A window smaller than a unit, pageable read buffers.
     "adagrad-bf16-both-nvme": ("adagrad", "bf16", "nvme", "nvme", False, 2000, False),
+    # A shard read back and edited in place between steps: packed from memory, written back.
+    "adamw-bf16-params-nvme-edited": ("adamw", "bf16", "nvme", None, True, UNIT, True),
     "adamw-fp32-both-cpu": ("adamw", None, "cpu", "cpu", True, UNIT, False),
     # A window smaller than a unit (some gathers miss their copy, counted), pageable host
     # shards, and an in-place edit that outdates a copy already read ahead.
@@ -188,6 +200,9 @@ PARAM_CASES: dict[str, tuple[str, str | None, str, str | None, bool, int, bool]]
     "adamw-bf16-cpu-optim-nvme": ("adamw", "bf16", "cpu", "nvme", True, UNIT, False),
 }
 EDITED = "wte.weight"  # the first shard the trace gathers: read ahead at every commit
+#: Reads in flight of a swap file (offload_param.buffer_count): a window of one unit (two
+#: shards) on the device and the next window's reads.
+READS = 5
 
 
 def _param_pair(case: str, root: str) -> dict[str, Any]:
@@ -207,7 +222,7 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
                 prefetch_bucket_size=prefetch)  # fmt: skip
     shard_module(model, Zero3Config(**base))
     extra: dict[str, Any] = {
-        "offload_param": {"device": param_kind, "nvme_path": root, "buffer_count": 3,
+        "offload_param": {"device": param_kind, "nvme_path": root, "buffer_count": READS,
                           "max_in_cpu": 0, "pin_memory": pin},
     }  # fmt: skip
     if optim_kind is not None:
@@ -218,21 +233,33 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
     cls, kwargs = OPTIMIZERS[name]
     opts = [PartitionedOptimizer(m, cls, foreach=False, **kwargs) for m in (model, twin)]
     held = sorted({str(sp.held_shard.device) for sp in _sparams(twin) if sp.held_shard.numel()})
-    host = sharded_state(twin).host_shards
-    diffs, found, uploads = [], [], []
+    state = sharded_state(twin)
+    # What the gathers of offloaded shards found (both homes count alike).
+    if state.host_shards is not None:
+        counts = state.host_shards.stats
+    else:
+        assert state.param_swap is not None
+        counts = state.param_swap.device_stats
+    diffs, found, uploads, let_go = [], [], [], []
+    edited = next(sp for sp in _sparams(twin) if sp.name == EDITED)
     for step in range(STEPS):
         for m, opt in zip((model, twin), opts, strict=True):
-            if edit and step == 2:  # the same edit of both: the twin's copy ahead is stale
+            unused = counts.unused_bytes
+            # The same edit of both: the twin's copy ahead is outdated (cpu: let go and
+            # made again when the step begins), or its shard is read back (nvme: copied
+            # onto the device from the edited values when the step begins).
+            if edit and step == 2:
                 local_shard(dict(m.named_parameters())[EDITED]).mul_(0.5)
             x = make(LOCAL * n, step).to(dev)
-            before = (host.stats.ahead, host.stats.on_demand) if host is not None else (0, 0)
+            before = _found(counts)
             syncs = detector.host_syncs()["to-device"]
             loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])).backward()
             # Blocking host-to-device copies in the forward and backward: a gather that
-            # packs a host shard not read ahead makes one, one read ahead makes none.
+            # packs a shard from host memory makes one, one packing a device copy none.
             uploads.append(detector.host_syncs()["to-device"] - syncs)
-            if m is twin and host is not None:
-                found.append((host.stats.ahead - before[0], host.stats.on_demand - before[1]))
+            if m is twin:
+                found.append(tuple(a - b for a, b in zip(_found(counts), before, strict=True)))
+                let_go.append(counts.unused_bytes - unused)
             opt.step()
             opt.zero_grad()
         memory = memory_stats(twin, opts[1])  # before the comparison reads shards back
@@ -254,15 +281,24 @@ def _param_pair(case: str, root: str) -> dict[str, Any]:
         "reductions": stats(twin).reduce_collectives,
         "read": swap.stats.read_bytes if swap is not None else 0,
         "unit": sharded_state(twin).window.unit_numel,
-        "found": found,  # per step: (host shards packed from a copy ahead, from the host)
+        "found": found,  # per step: shards packed from a copy ahead, at the gather, the host
         "in_device_uploads": uploads[0::2],
         "offloaded_uploads": uploads[1::2],
-        "unused_bytes": host.stats.unused_bytes if host is not None else 0,
+        "unused_bytes": counts.unused_bytes,
+        "let_go": let_go,  # per step: bytes of copies let go unused
+        "edited_bytes": edited.shard_numel * edited.itemsize,
     }
     for opt in opts:
         if opt.offload is not None:
             opt.offload.close()
     return result
+
+
+def _found(counts: Any) -> tuple[int, int, int]:
+    """Shards packed so far from a copy ahead, from a copy queued by their gather, and
+    from host memory (``DeviceCopyStats``).
+    """
+    return counts.ahead, counts.at_gather, counts.on_demand
 
 
 @pytest.mark.parametrize("case", list(PARAM_CASES))
@@ -279,25 +315,88 @@ def test_parameter_offload_on_an_accelerator_equals_training_on_it(zdev_pool, ca
         else:  # in the swap file between uses, read back for each gather
             assert result["held"] == [] and result["nvme_param"] > 0, result
             assert result["swap"] and result["read"] > 0, result
+            _check_swap_read_ahead(result, prefetch, edit)
 
 
 def _check_read_ahead(result: dict[str, Any], prefetch: int, edit: bool) -> None:
     """Host shards reach their gathers through copies read ahead onto the device."""
     found, mine, theirs = result["found"], result["offloaded_uploads"], result["in_device_uploads"]
-    ahead, on_demand = found[0]
+    assert [f[1] for f in found] == [0] * STEPS, result  # none is queued by its gather
+    ahead, _, on_demand = found[0]
     assert ahead == 0 and on_demand > 0, result  # the first step records the trace
     for step in range(1, STEPS):
-        ahead, on_demand = found[step]
+        ahead, _, on_demand = found[step]
         assert ahead > 0, result
         # Each shard packed from the host is one blocking copy more than the in-device
         # model makes; each packed from its copy ahead is none.
         assert mine[step] - theirs[step] == on_demand, result
     if prefetch >= result["unit"]:  # a prefetch's shards cover every next gather
-        assert [f[1] for f in found[1:]] == [0] * (STEPS - 1), result
+        assert [f[2] for f in found[1:]] == [0] * (STEPS - 1), result
         assert mine[1:] == theirs[1:] and result["unused_bytes"] == 0, result
-    if edit:  # the edited shard's copy ahead was not used: packed from the host instead
-        assert found[2] == (found[1][0] - 1, found[1][1] + 1), result
-        assert result["unused_bytes"] > 0, result
+    if edit:  # the edited shard's outdated copy was let go and made again, not used
+        assert found[2] == found[1], result
+        assert result["let_go"][2] - result["let_go"][1] == result["edited_bytes"], result
+
+
+def _check_swap_read_ahead(result: dict[str, Any], prefetch: int, edit: bool) -> None:
+    """Shards from the swap file reach their gathers through copies on the device."""
+    found, mine, theirs = result["found"], result["offloaded_uploads"], result["in_device_uploads"]
+    ahead, at_gather, on_demand = found[0]
+    assert ahead == 0 and at_gather > 0, result  # the first step records the trace
+    # The same gathers every step once the trace is recorded, each counted once.
+    assert len({sum(f) for f in found[1:]}) == 1, result
+    # The first step: every shard read on demand, none copied to the device by a blocking
+    # copy (the in-device model, run first, also makes its one-time copies then).
+    assert found[0][2] == 0 and mine[0] <= theirs[0], result
+    for step in range(1, STEPS):
+        ahead, at_gather, on_demand = found[step]
+        # No shard is copied to the device by a blocking copy: even the edited one (read
+        # back, edited in place) is copied on the upload stream when the step begins.
+        assert on_demand == 0, result
+        assert mine[step] - theirs[step] == on_demand, result
+        if prefetch >= result["unit"]:
+            # From the second step on, gathers find their shards on the device: read
+            # from the file a window ahead, copied at the read-ahead that found them in.
+            assert ahead > 0, (found, mine, theirs)
+
+
+def _swap_fault(root: str) -> str:
+    """Truncate one rank's parameter swap file after a good step (its shards go on to the
+    device through copies): return the next step's error.
+    """
+    import torch.distributed as dist
+
+    dev = torch.device("zdev", int(os.environ["LOCAL_RANK"]))
+    n, r = dist.get_world_size(), dist.get_rank()
+    model, make = build("gpt_tied")
+    model.to(dev)
+    offload = {"device": "nvme", "nvme_path": root, "buffer_count": READS, "max_in_cpu": 0}
+    config = Zero3Config(backend="zdev", param_persistence_threshold=0,
+                         prefetch_bucket_size=UNIT, offload_param=offload)  # fmt: skip
+    shard_module(model, config)
+    swap = sharded_state(model).param_swap
+    assert swap is not None
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
+    for step in range(2):
+        if step == 1 and r == n - 1:
+            os.truncate(swap.path, 4096)
+        x = make(LOCAL * n, step).to(dev)
+        try:
+            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            opt.step()
+        except ParamOffloadError as exc:
+            return str(exc)
+        opt.zero_grad()
+    return "no error"
+
+
+def test_a_broken_param_swap_file_on_an_accelerator_fails_every_rank(zdev_pool, tmp_path):
+    # A read that fails is never copied to the device: the gather that needs it stops
+    # every rank, naming the rank, as on a CPU run.
+    results = zdev_pool(2).run(_swap_fault, str(tmp_path), timeout=240)
+    for text in results:
+        assert "rank 1" in text and "could not read its parameter shard back" in text, results
+    assert "params.swp" in results[1] and "short read" in results[1], results
 
 
 # -- checkpoints of offloaded state, on the device -------------------------------------------

@@ -51,6 +51,8 @@ from zero3.core.grads._reduce_paths import (
     ReduceScatterPath,
     Reduction,
 )
+from zero3.core.model._device_copies import DeviceCopyStats
+from zero3.core.model._host_shards import HostShards
 from zero3.core.model._param_offload import (
     ParamSwap,
     ParamSwapStats,
@@ -94,9 +96,11 @@ __all__ = [
     "CheckpointStorageReader",
     "CheckpointStorageWriter",
     "DeferredTensor",
+    "DeviceCopyStats",
     "DiscretePath",
     "GatherWindow",
     "GradBucket",
+    "HostShards",
     "IOPool",
     "LeafTarget",
     "Moment",

@@ -10,22 +10,23 @@ Note (how a host shard reaches its gather):
     ahead), and their shards are copied host→device without blocking, on an upload
     stream of their own, an event recorded after each copy. The gather that packs a
     shard makes the compute stream wait for that event (the host does not wait) and
-    packs from the device copy, which is let go once packed.
+    packs from the device copy, which is let go once packed. The copies are kept by
+    :class:`~zero3.core.model._device_copies.DeviceCopies`, as ``ParamSwap``'s are (the
+    Note there says how their device and host memory is kept).
 
-    Memory: a device copy is allocated on the upload stream and, when its gather takes
-    it, marked as used by the compute stream (``record_stream``), so the caching
-    allocator hands its block out again only after the packing has run. The copies held
-    at once are bounded by the coordinator's limit (the shard elements of one prefetch;
-    one shard always): read-ahead adds at most that to what the gather window keeps on
-    the device, and offload changes where shards live, not how long gathered copies are
-    kept. A copy the trace has moved past is let go at the next read-ahead.
+    Memory: the copies held at once are bounded by the coordinator's limit (the shard
+    elements of one prefetch; one shard always): read-ahead adds at most that to what
+    the gather window keeps on the device, and offload changes where shards live, not
+    how long gathered copies are kept. A copy the trace has moved past is let go at the
+    next read-ahead.
 
     Writes: the optimizer writes stepped values into the host shards
     (``ShardedParam.write_local``), loads and edit merges write them too, and anyone may
     edit a shard in place (``local_shard``). A device copy remembers the host tensor
     and its version counter at the copy, and one whose host shard was replaced or
-    written since is never used: a write lets it go at once, an in-place edit is caught
-    when the gather takes it. The step's order keeps this cheap: the optimizer writes
+    written since is never used: a write lets it go at once (and first waits until no
+    copy still reads the host shard it overwrites), an in-place edit is caught when the
+    gather takes it. The step's order keeps this cheap: the optimizer writes
     every stepped shard, then ``commit_step`` reads the next step's first shards ahead,
     from the stepped values.
 
@@ -38,53 +39,14 @@ Note (how a host shard reaches its gather):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
 
-from zero3.comm import Event, Stream, TorchDeviceStream
+from zero3.core.model._device_copies import DeviceCopies, DeviceCopyStats, take_window
 from zero3.core.params._params import ShardedParam
 
-__all__ = ["HostShardStats", "HostShards"]
-
-
-@dataclasses.dataclass
-class HostShardStats:
-    """What the gathers of host shards found (this rank, since the model was sharded).
-
-    Attributes:
-        ahead: Shards packed from a copy read ahead onto the device (the compute stream
-            waited for its copy, the host did not).
-        on_demand: Shards packed from host memory by a blocking copy (not read ahead,
-            or written since their copy).
-        ahead_bytes: Bytes copied host→device ahead of their gathers.
-        unused_bytes: Of those, bytes let go unused (the shard was written since, or
-            the trace moved past it).
-    """
-
-    ahead: int = 0
-    on_demand: int = 0
-    ahead_bytes: int = 0
-    unused_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _DeviceCopy:
-    """A host shard copied onto the device ahead of its gather."""
-
-    tensor: torch.Tensor  # on the device, allocated on the upload stream
-    source: torch.Tensor  # the host shard it was copied from
-    version: int  # the source's version counter at the copy
-    done: Event  # recorded on the upload stream after the copy
-
-    def current(self, sp: ShardedParam) -> bool:
-        """Whether ``sp``'s host shard is still what was copied (not replaced or written)."""
-        return sp.held_shard is self.source and self.source._version == self.version
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+__all__ = ["HostShards"]
 
 
 def _state(shard: torch.Tensor) -> tuple[int, int]:
@@ -102,16 +64,20 @@ class HostShards:
             copy is asynchronous only from page-locked memory.
     """
 
-    #: A copy from host memory does not fail: gathers keep their usual fingerprint check.
+    #: Not set, since a copy from host memory does not fail; gathers keep their usual
+    #: fingerprint check.
     reads_can_fail = False
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
-        self.stats = HostShardStats()
         self._indices: set[int] = set()
-        self._ahead: dict[int, _DeviceCopy] = {}  # by parameter index, in trace order
-        self._upload: Stream | None = None  # made at the first read-ahead
+        self._copies = DeviceCopies()
         self._clean: dict[int, tuple[int, int]] = {}  # shard states the optimizer wrote
+
+    @property
+    def stats(self) -> DeviceCopyStats:
+        """What the gathers of host shards found (``at_gather`` stays 0 here)."""
+        return self._copies.stats
 
     # -- construction -----------------------------------------------------------------------
 
@@ -154,54 +120,31 @@ class HostShards:
         upload stream, until ``limit_numel`` shard elements are there or on the way
         (one shard always); copies out of that window are let go.
         """
-        window: dict[int, ShardedParam] = {}
-        room = limit_numel
-        for sp in upcoming:
-            if sp.home is not self or sp.index in window:
-                continue
-            if sp.shard_numel > room and window:
-                break
-            window[sp.index] = sp
-            room -= sp.shard_numel
-        for index in [i for i in self._ahead if i not in window]:
-            self._let_go(index)  # the trace moved past it (or it was kept whole)
-        todo = []
-        for sp in window.values():
-            entry = self._ahead.get(sp.index)
-            if entry is not None and not entry.current(sp):
-                self._let_go(sp.index)  # edited in place since: copy it again
-                entry = None
-            if entry is None:
-                todo.append(sp)
+        window, _ = take_window(iter(upcoming), self, limit_numel)
+        copies = self._copies
+        copies.keep_only(window)  # the trace moved past the others (or they are whole)
+        todo = [(sp, sp.held_shard) for sp in window.values() if not copies.has(sp)]
         if todo:
-            self._copy_ahead(todo)
+            copies.copy_ahead(todo)
 
     def for_gather(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s shard for the gather packing it on the current stream: its device
         copy if one was read ahead and is current (the stream waits for its event), else
         the host shard (the gather's copy from it blocks).
         """
-        entry = self._ahead.pop(sp.index, None)
-        if entry is not None and entry.current(sp):
-            stream = Stream.for_device(sp.device.type)
-            stream.wait_event(entry.done)
-            # The block goes back to the upload stream's pool when the copy dies: not for
-            # reuse before the packing queued on this stream has run.
-            if isinstance(stream, TorchDeviceStream):
-                entry.tensor.record_stream(stream.native)
-            self.stats.ahead += 1
-            return entry.tensor
-        if entry is not None:
-            self.stats.unused_bytes += entry.nbytes
-        self.stats.on_demand += 1
+        shard = self._copies.take(sp)
+        if shard is not None:
+            return shard
+        self._copies.stats.on_demand += 1
         return sp.held_shard
 
     def write(self, sp: ShardedParam, values: torch.Tensor, *, edit: bool) -> None:
         """Set this rank's real elements of ``sp`` in its host shard (from the device:
         a blocking copy). A copy read ahead before is let go: it holds the old values.
         """
-        self._let_go(sp.index)
+        self._copies.let_go(sp.index)
         shard = sp.held_shard
+        self._copies.wait_reads_of(shard)  # the source of a copy is not written under it
         with torch.no_grad():
             shard[: values.numel()].copy_(values.reshape(-1))
         if edit:
@@ -223,32 +166,4 @@ class HostShards:
 
     def clear(self) -> None:
         """Let every copy read ahead go (the model is unsharded)."""
-        for index in list(self._ahead):
-            self._let_go(index)
-
-    # -- internals ------------------------------------------------------------------------------
-
-    def _copy_ahead(self, params: list[ShardedParam]) -> None:
-        """Queue the host→device copies of ``params``' shards on the upload stream."""
-        device = params[0].device
-        if self._upload is None:
-            self._upload = Stream.for_device(device.type, new=True)
-        upload = self._upload
-        # Allocated on the upload stream (see the Note on memory); a normal tensor even
-        # under inference_mode, since a training step's gather may take it.
-        with upload.use(), torch.inference_mode(False):
-            for sp in params:
-                host = sp.held_shard
-                copy = torch.empty(host.shape, dtype=host.dtype, device=device)
-                copy.copy_(host, non_blocking=True)
-                entry = _DeviceCopy(copy, host, host._version, upload.record_event())
-                self._ahead[sp.index] = entry
-                self.stats.ahead_bytes += entry.nbytes
-
-    def _let_go(self, index: int) -> None:
-        """Drop the copy read ahead for parameter ``index``, if any. Only the upload
-        stream has used it, so its block may go back to that stream's pool at once.
-        """
-        entry = self._ahead.pop(index, None)
-        if entry is not None:
-            self.stats.unused_bytes += entry.nbytes
+        self._copies.clear()

@@ -24,6 +24,19 @@ Note (how a shard moves):
     ``max_in_cpu`` keeps the first shards (parameter order) up to that many elements in
     memory for good; DeepSpeed's default (10⁹) keeps every shard of a model with fewer
     elements per rank in memory, which is logged at setup with the count.
+
+    With the model on an accelerator a shard goes on from its host buffer to the device
+    ahead of its gather, as ``HostShards``' do (the same
+    :class:`~zero3.core.model._device_copies.DeviceCopies`): at each read-ahead the
+    shards of the next window (the coordinator's limit) whose reads are in (checked
+    with ``Future.done``, never waited for) are copied host→device with ``non_blocking``
+    on an upload stream, and the reads of the window after it start, so the file stage
+    runs one window ahead of the device's. The gather packs the copy after making the
+    compute stream wait for its event; a shard whose read was not in by then is waited
+    for, as before, and its copy queued by the gather itself, so no gather copies from
+    the host on the compute stream (except a shard read back outside the gather path,
+    which may have been edited in place). A read buffer is kept until its copy's event
+    has happened. A failed read is never copied: its gather raises as on a CPU run.
 """
 
 from __future__ import annotations
@@ -31,10 +44,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +66,7 @@ from zero3.core.files._swap import (
     make_swap_dir,
     round_up,
 )
+from zero3.core.model._device_copies import DeviceCopies, DeviceCopyStats, take_window
 from zero3.core.params._params import ParamOffloadError, ShardedParam, ShardReadError
 
 __all__ = [
@@ -154,10 +169,11 @@ class ParamSwap:
         rank: This rank (names the directory).
         all_reduce: The model's small all-reduce (agreeing on write errors at steps).
         pin: Read shards into page-locked buffers (the model is on an accelerator and
-            ``pin_memory`` is set: the gather's copy to the device reads them).
+            ``pin_memory`` is set: the copies to the device read them asynchronously).
     """
 
-    #: A read of the file can fail: gathers of its shards check their fingerprints at once.
+    #: Set, since a read from the swap file can fail; gathers of its shards then check
+    #: their fingerprints at once.
     reads_can_fail = True
 
     def __init__(
@@ -181,6 +197,7 @@ class ParamSwap:
         self._resident: dict[int, tuple[ShardedParam, int]] = {}  # index -> (sp, version)
         self._edited: set[int] = set()
         self._write_error: BaseException | None = None
+        self._copies = DeviceCopies()  # read ahead onto the device (model on an accelerator)
         #: The offloaded parameters (filled by :meth:`adopt`).
         self.params: list[ShardedParam] = []
         self.kept_numel = 0
@@ -240,6 +257,17 @@ class ParamSwap:
         """Whether the swap file is read and written with ``O_DIRECT``."""
         return self._file.direct
 
+    @property
+    def device_stats(self) -> DeviceCopyStats:
+        """What the gathers found on the device (the model on an accelerator; zero on a
+        CPU run).
+        """
+        return self._copies.stats
+
+    def _to_device(self) -> bool:
+        """Whether the shards go on to an accelerator (the parameters are there)."""
+        return bool(self.params) and self.params[0].device.type != "cpu"
+
     def offloaded_bytes(self) -> int:
         """Bytes of shards that are only in the swap file now."""
         return sum(self._regions[sp.index].nbytes for sp in self.params if not sp.resident)
@@ -272,6 +300,26 @@ class ParamSwap:
         elements (the gather window's share: read-ahead buffers obey the window as
         gathered copies do), or ``buffer_count x buffer_size`` (DeepSpeed's bound).
         One shard may always be read ahead.
+
+        With the model on an accelerator the first ``limit_numel`` shard elements (one
+        shard always) are copied onto the device where their values are in memory, and
+        the reads in flight may reach ``2 x limit_numel`` elements: those of the next
+        window too (see the module Note).
+        """
+        shards = iter(upcoming)
+        if not self._to_device():
+            self._start_reads(shards, limit_numel)
+            return
+        window, past = take_window(shards, self, limit_numel)
+        self._copy_ahead(window)
+        # The file stage runs a window ahead of the device's: the next window's reads
+        # start now, so that the next read-ahead finds them in.
+        after = [past] if past is not None else []
+        self._start_reads(itertools.chain(window.values(), after, shards), 2 * limit_numel)
+
+    def _start_reads(self, upcoming: Iterator[ShardedParam], limit_numel: int) -> None:
+        """Start reading shards of ``upcoming`` not in memory, on the device or on their
+        way, within the bounds :meth:`read_ahead` names.
         """
         budget = self.config.buffer_count - len(self._reads)
         bound = min(limit_numel, self.config.buffer_count * self.config.buffer_size)
@@ -283,6 +331,8 @@ class ParamSwap:
                 continue
             if sp.index in self._writes:  # bring_in waits for the write (and its error)
                 continue
+            if self._copies.has(sp):
+                continue
             if sp.shard_numel > room and self._reads:
                 break
             self._reads[sp.index] = self._submit_read(sp)
@@ -290,14 +340,57 @@ class ParamSwap:
             budget -= 1
             room -= sp.shard_numel
 
-    def for_gather(self, sp: ShardedParam) -> torch.Tensor:
-        """``sp``'s shard for the gather packing it: read back (or taken from its read
-        ahead) into host memory; the gather's copy to the device reads it there.
+    def _copy_ahead(self, window: dict[int, ShardedParam]) -> None:
+        """Copy the shards of ``window`` onto the device whose values are in memory: read
+        ahead and in (a read in flight is not waited for; a failed one stays for its
+        gather to report), or read back by someone. Copies out of it are let go.
         """
-        return sp.shard
+        copies = self._copies
+        copies.keep_only(window)
+        todo = []
+        for sp in window.values():
+            if copies.has(sp):
+                continue
+            if sp.resident:
+                todo.append((sp, sp.held_shard))
+                continue
+            future = self._reads.get(sp.index)
+            if future is None or not future.done() or future.exception() is not None:
+                continue
+            del self._reads[sp.index]
+            todo.append((sp, self._took_read(sp, future.result())))
+        if todo:
+            copies.copy_ahead(todo)
+
+    def for_gather(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s shard for the gather packing it on the current stream. On a CPU run:
+        read back (or taken from its read ahead) into memory. With the model on an
+        accelerator: its copy on the device (the stream waits for it), queued now, once
+        its read is in, if it was not ahead; a shard read back outside the gather path
+        (perhaps edited in place) is packed from memory instead.
+        """
+        if sp.device.type == "cpu":
+            return sp.shard
+        copies = self._copies
+        shard = copies.take(sp)
+        if shard is not None:
+            return shard
+        if sp.resident:
+            copies.stats.on_demand += 1
+            return sp.held_shard
+        return copies.copy_now(sp, self._read_in(sp))
 
     def bring_in(self, sp: ShardedParam) -> torch.Tensor:
         """Read ``sp``'s shard back (see the ShardHome protocol)."""
+        tensor = self._read_in(sp)
+        sp.shard = tensor
+        self._resident[sp.index] = (sp, tensor._version)
+        return tensor
+
+    def _read_in(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s shard read back into a host buffer (taking a read already under way;
+        the host waits for it). Raises :class:`ShardReadError` naming the file.
+        """
         future = self._reads.pop(sp.index, None)
         try:
             if future is None:
@@ -307,12 +400,13 @@ class ParamSwap:
             raise ShardReadError(
                 f"zero3: offload_param: cannot read the shard of parameter {sp.name!r} back: {exc}"
             ) from exc
+        return self._took_read(sp, buf)
+
+    def _took_read(self, sp: ShardedParam, buf: AlignedBuffer) -> torch.Tensor:
+        """``sp``'s shard in ``buf``, a read of it that completed (counted)."""
         region = self._regions[sp.index]
         self.stats.read_bytes += region.nbytes
-        tensor = buf.tensor[: region.nbytes].view(sp.param.dtype)
-        sp.shard = tensor
-        self._resident[sp.index] = (sp, tensor._version)
-        return tensor
+        return buf.tensor[: region.nbytes].view(sp.param.dtype)
 
     def _wait(self, future: Future[_T]) -> _T:
         begin = time.perf_counter()
@@ -354,6 +448,7 @@ class ParamSwap:
 
     def _queue_write(self, index: int, dtype: torch.dtype, values: torch.Tensor) -> None:
         buf = self._buffer_of(index, dtype, values)
+        self._copies.let_go(index)  # it holds the older values
         stale = self._reads.pop(index, None)
         if stale is not None:  # a read ahead of older bytes: let it finish, drop it
             self._wait_quietly(stale)
@@ -417,6 +512,7 @@ class ParamSwap:
                 sp.home = None
                 sp.shard = values.clone()
         self._resident.clear()
+        self._copies.clear()
         self._files.remove()
 
 

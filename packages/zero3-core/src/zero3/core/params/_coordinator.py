@@ -321,6 +321,10 @@ class ParamCoordinator:
         self.position = 0
         self.diverged = False
         self._prefetched.clear()
+        # The reads the last optimizer step started (ShardedModelState.commit_step) are
+        # in by now: a home whose shards go on to a device copies them before the first
+        # gather asks.
+        self.read_ahead(-1)
 
     def end_pass(self, all_params: Iterable[ShardedParam]) -> None:
         """The step ends: complete gathers, release everything, freeze or check the trace."""

@@ -142,17 +142,19 @@ class ShardHome(Protocol):
         version counter, and the home writes it back before dropping it.
     """
 
-    #: Whether reading a shard back can fail (a file): every gather of its shards then
-    #: checks its fingerprints at once, so that all ranks stop at a gather one rank
-    #: could not fill (the same on every rank: it is the home's kind, not its state).
+    #: Whether reading a shard back can fail, as a file read can. Every gather of its
+    #: shards then checks its fingerprints at once, so that all ranks stop at a gather
+    #: one rank could not fill. It is the home's kind, not its state, so every rank
+    #: decides alike.
     reads_can_fail: bool
 
     def for_gather(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s shard for the gather that packs it now, on the current stream: a
-        copy already on the parameter's device where the home read one ahead (the
-        current stream waits for it; the host does not), else :attr:`ShardedParam.shard`
-        (read back if out). Valid until the gather has packed it and dropped ``sp``.
-        Raises :class:`ShardReadError` as :meth:`bring_in` does.
+        copy on the parameter's device where the home makes one (read ahead, or queued
+        by this call once a swap file's read is in; the current stream waits for it, the
+        host does not), else :attr:`~zero3.core.engine.ShardedParam.shard` (read back if
+        out). Valid until the gather has packed it and dropped ``sp``. Raises
+        :class:`ShardReadError` as :meth:`bring_in` does.
         """
         ...
 
