@@ -28,7 +28,7 @@ from zero3.core.engine import resident_pages, sharded_state
 from zero3.hooks import full_state_dict, memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
 from zero3.testing import run_in_session
-from zero3.testing.models import OPTIMIZERS, build, loss_of
+from zero3.testing.models import OPTIMIZERS, build, loss_of, step_past_a_broken_swap
 
 pytestmark = pytest.mark.multirank
 
@@ -321,23 +321,9 @@ def _fault(kind: str, root: str) -> str:
     n, r = comm.world_size, comm.rank
     model, make = build("gpt_tied")
     shard_module(model, _offload_config(root, False, param_persistence_threshold=0), comm=comm)
-    swap = sharded_state(model).param_swap
-    assert swap is not None
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    for step in range(2):
-        if step == 1 and r == n - 1:
-            if kind == "truncated":
-                os.truncate(swap.path, 4096)
-            else:
-                os.truncate(swap.path, 0)
-        x = make(LOCAL * n, step)
-        try:
-            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
-            opt.step()
-        except ParamOffloadError as exc:
-            return str(exc)
-        opt.zero_grad()
-    return "no error"
+    size = 4096 if kind == "truncated" else 0
+    return step_past_a_broken_swap(model, opt, make, rank=r, world=n, local=LOCAL, size=size)
 
 
 @pytest.mark.parametrize("kind", ["truncated", "emptied"])

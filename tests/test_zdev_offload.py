@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from zero3.core import (
-    ParamOffloadError,
     Zero3Config,
     estimate_model_states,
     local_grad,
@@ -30,7 +29,7 @@ from zero3.core import (
 from zero3.core.engine import sharded_state
 from zero3.hooks import memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer
-from zero3.testing.models import OPTIMIZERS, build, loss_of
+from zero3.testing.models import OPTIMIZERS, build, loss_of, step_past_a_broken_swap
 
 pytestmark = [pytest.mark.device, pytest.mark.multirank, pytest.mark.timeout(300)]
 
@@ -374,20 +373,10 @@ def _swap_fault(root: str) -> str:
     config = Zero3Config(backend="zdev", param_persistence_threshold=0,
                          prefetch_bucket_size=UNIT, offload_param=offload)  # fmt: skip
     shard_module(model, config)
-    swap = sharded_state(model).param_swap
-    assert swap is not None
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
-    for step in range(2):
-        if step == 1 and r == n - 1:
-            os.truncate(swap.path, 4096)
-        x = make(LOCAL * n, step).to(dev)
-        try:
-            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
-            opt.step()
-        except ParamOffloadError as exc:
-            return str(exc)
-        opt.zero_grad()
-    return "no error"
+    return step_past_a_broken_swap(
+        model, opt, make, rank=r, world=n, local=LOCAL, size=4096, device=dev
+    )
 
 
 def test_a_broken_param_swap_file_on_an_accelerator_fails_every_rank(zdev_pool, tmp_path):

@@ -7,6 +7,7 @@ deterministic given ``torch.manual_seed``. ``ZOO`` maps a name to a builder retu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from _train.model import Block, GPTConfig, add_gpt_layers, gpt_forward
 from torch import nn
+
+from zero3.core import ParamOffloadError
+from zero3.core.engine import sharded_state
 
 __all__ = [
     "OPTIMIZERS",
@@ -29,6 +33,7 @@ __all__ = [
     "TinyGPT",
     "build",
     "routed_input",
+    "step_past_a_broken_swap",
     "token_batch",
     "train_beside",
 ]
@@ -334,3 +339,36 @@ def train_beside(
         comm.all_reduce(mean).wait()
         diffs.append(abs(float(mean) / n - float(ref_loss.detach())))
     return diffs
+
+
+def step_past_a_broken_swap(
+    model: nn.Module,
+    opt: Any,
+    make: Callable[[int, int], torch.Tensor],
+    *,
+    rank: int,
+    world: int,
+    local: int,
+    size: int,
+    device: torch.device | None = None,
+) -> str:
+    """Train two steps of a model whose shards ``offload_param: nvme`` keeps in a swap
+    file; before the second, the last rank's file is cut to ``size`` bytes. Returns the
+    :class:`~zero3.core.ParamOffloadError` the second step raised on this rank (every
+    rank must raise), or ``"no error"``.
+    """
+    swap = sharded_state(model).param_swap
+    assert swap is not None, "the model keeps no parameter swap file"
+    for step in range(2):
+        if step == 1 and rank == world - 1:
+            os.truncate(swap.path, size)
+        x = make(local * world, step)
+        if device is not None:
+            x = x.to(device)
+        try:
+            loss_of(model(x[rank * local : (rank + 1) * local])).backward()
+            opt.step()
+        except ParamOffloadError as exc:
+            return str(exc)
+        opt.zero_grad()
+    return "no error"
