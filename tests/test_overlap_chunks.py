@@ -3,7 +3,8 @@
 ``reduce_bucket_size`` and ``prefetch_bucket_size`` stay the upper bounds; with
 ``overlap_comm`` a bucket is planned in chunks of ``overlap_chunk_size`` elements and a
 prefetch is cut into gathers of that size at module boundaries (core/_reducer.py and
-core/_coordinator.py, Notes "overlap chunks"). The results must not change.
+``cut_at_modules`` in core/params/_gather.py, Notes "overlap chunks"). The results must not
+change.
 """
 
 from __future__ import annotations

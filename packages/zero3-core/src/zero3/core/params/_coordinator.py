@@ -9,7 +9,7 @@ Note (fetch in three steps):
     (each gather holds its buffers from the moment it is issued, so a host that
     queued gathers without bound would pin their memory long before use). One
     prefetch leaves as several gathers cut at module boundaries (overlap chunks,
-    :meth:`ParamCoordinator._chunks`).
+    :func:`~zero3.core.params._gather.cut_at_modules`).
     With ``overlap_comm=False`` the gather stream is the compute stream: prefetches
     are still issued but waited for at once, and ``StepStats.blocking_prefetches``
     counts them.
@@ -48,7 +48,12 @@ from zero3.core.config._window import GatherWindow, resolve_window
 from zero3.core.diag._guard import CollectiveGuard, Moment, Op, OpKind, Phase, waiting_for
 from zero3.core.diag._stats import StatsBook
 from zero3.core.diag._tracer import Tracer
-from zero3.core.params._gather import GatherHandle, GatherLayout, verify_fingerprints
+from zero3.core.params._gather import (
+    GatherHandle,
+    GatherLayout,
+    cut_at_modules,
+    verify_fingerprints,
+)
 from zero3.core.params._params import (
     ParamStatus,
     ShardedParam,
@@ -739,7 +744,11 @@ class ParamCoordinator:
         if not chosen:
             return
         pieces = [
-            (trace.modules[first], piece) for first, piece in self._chunks(list(chosen.values()))
+            (trace.modules[first], piece)
+            for first, piece in cut_at_modules(
+                list(chosen.values()),
+                self.window.chunk_numel if self.config.overlap_comm else None,
+            )
         ]
         verify = self._announce(OpKind.PREFETCH, [(m, self._layout(p)) for m, p in pieces], at)
         handles = [
@@ -762,31 +771,6 @@ class ParamCoordinator:
         limit = max(1, self.window.prefetch_numel // self.comm.world_size)
         upcoming = (sp for _, sp in order[start:] if sp.status is ParamStatus.NOT_AVAILABLE)
         home.read_ahead(upcoming, limit)
-
-    def _chunks(
-        self, chosen: list[tuple[ShardedParam, int]]
-    ) -> list[tuple[int, list[ShardedParam]]]:
-        """Cut a prefetch (trace order) into gathers of at most ``overlap_chunk_size``
-        elements, at module boundaries only; each with its first trace position.
-
-        Note (overlap chunks):
-            One gather for the whole prefetch would make the next module wait for all
-            of it — at the start of a step, for the whole model. Cut at module
-            boundaries, each module waits only for the chunk holding its parameters
-            while the later chunks are still on the wire.
-        """
-        limit = self.window.chunk_numel if self.config.overlap_comm else None
-        pieces: list[tuple[int, list[ShardedParam]]] = []
-        size, last_position = 0, -1
-        for sp, position in chosen:
-            boundary = position != last_position
-            if not pieces or (boundary and limit is not None and size + sp.numel > limit):
-                pieces.append((position, []))
-                size = 0
-            pieces[-1][1].append(sp)
-            size += sp.numel
-            last_position = position
-        return pieces
 
     def _release(self, sp: ShardedParam) -> None:
         if self._kept_frozen.pop(sp.index, None) is not None:

@@ -32,6 +32,7 @@ __all__ = [
     "FINGERPRINT_BYTES",
     "GatherHandle",
     "GatherLayout",
+    "cut_at_modules",
     "verify_fingerprints",
 ]
 
@@ -293,3 +294,29 @@ def _copy_out(sp: ShardedParam, recv: torch.Tensor, offset: int, pool: BufferPoo
             flat[rows * s :].copy_(shards[rows, :rem])
 
     fill_full(param, fill, pool)
+
+
+def cut_at_modules(
+    chosen: Sequence[tuple[ShardedParam, int]], limit: int | None
+) -> list[tuple[int, list[ShardedParam]]]:
+    """Cut a prefetch (``(param, trace position)`` in trace order) into gathers of at
+    most ``limit`` elements (None: one gather), at module boundaries only; each with its
+    first trace position.
+
+    Note (overlap chunks):
+        One gather for the whole prefetch would make the next module wait for all of it
+        (at the start of a step, for the whole model). Cut at module boundaries, each
+        module waits only for the chunk holding its parameters while the later chunks
+        are still on the wire.
+    """
+    pieces: list[tuple[int, list[ShardedParam]]] = []
+    size, last_position = 0, -1
+    for sp, position in chosen:
+        boundary = position != last_position
+        if not pieces or (boundary and limit is not None and size + sp.numel > limit):
+            pieces.append((position, []))
+            size = 0
+        pieces[-1][1].append(sp)
+        size += sp.numel
+        last_position = position
+    return pieces
