@@ -17,8 +17,8 @@ Note (the life of a copy):
     hands its block out again only after the packing ran. A copy let go unused was only
     used by the upload stream, whose pool may take it back at once. A home keeps at most
     one window of copies (:func:`take_window`: the coordinator's limit, one prefetch's
-    shard elements, one shard always), so read-ahead adds at most that to what the
-    gather window keeps on the device.
+    shard elements or one fetch unit's where a prefetch is smaller, one shard always),
+    so read-ahead adds at most that to what the gather window keeps on the device.
 
     Host memory: the host tensor is the source of an asynchronous copy, so it is not
     reused or freed before the copy's event has happened: every source is kept (with its

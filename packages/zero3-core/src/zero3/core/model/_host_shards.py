@@ -15,7 +15,8 @@ Note (how a host shard reaches its gather):
     Note there says how their device and host memory is kept).
 
     Memory: the copies held at once are bounded by the coordinator's limit (the shard
-    elements of one prefetch; one shard always): read-ahead adds at most that to what
+    elements of one prefetch, or of one fetch unit where a prefetch is smaller; one
+    shard always): read-ahead adds at most that to what
     the gather window keeps on the device, and offload changes where shards live, not
     how long gathered copies are kept. A copy the trace has moved past is let go at the
     next read-ahead.

@@ -767,8 +767,10 @@ class ParamCoordinator:
             return
         order = trace.param_order
         start = trace.first_entry_at[min(position + 1, len(trace.first_entry_at) - 1)]
-        # The shards of one prefetch: what the next prefetch takes is read by then.
-        limit = max(1, self.window.prefetch_numel // self.comm.world_size)
+        # The shards of one prefetch, or of one fetch unit where a prefetch is smaller
+        # (the next gather takes a whole unit then): what it takes is read by then.
+        window = max(self.window.prefetch_numel, self.window.unit_numel)
+        limit = max(1, window // self.comm.world_size)
         upcoming = (sp for _, sp in order[start:] if sp.status is ParamStatus.NOT_AVAILABLE)
         home.read_ahead(upcoming, limit)
 
