@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -144,11 +144,27 @@ class DeviceCopies:
         for index in [i for i in self._copies if i not in keep]:
             self.let_go(index)
 
-    def copy_ahead(self, shards: Sequence[tuple[ShardedParam, torch.Tensor]]) -> None:
-        """Queue the copies of host tensors (each the values of its parameter's shard)
-        onto the device, for the gathers that will take them.
+    def copy_window(
+        self,
+        window: dict[int, ShardedParam],
+        values_of: Callable[[ShardedParam], torch.Tensor | None],
+    ) -> None:
+        """Keep copies of ``window``'s shards only (:func:`take_window`), and queue one
+        for each shard of it that has no current copy yet and whose host values
+        ``values_of`` gives now (None: not in memory yet), for the gathers that will
+        take them.
         """
-        for (sp, _), entry in zip(shards, self._queue(shards), strict=True):
+        self.keep_only(window)  # the trace moved past the others (or they are whole)
+        todo = []
+        for sp in window.values():
+            if self.has(sp):
+                continue
+            values = values_of(sp)
+            if values is not None:
+                todo.append((sp, values))
+        if not todo:
+            return
+        for (sp, _), entry in zip(todo, self._queue(todo), strict=True):
             self._copies[sp.index] = entry
             self.stats.ahead_bytes += entry.nbytes
 

@@ -122,11 +122,7 @@ class HostShards:
         (one shard always); copies out of that window are let go.
         """
         window, _ = take_window(iter(upcoming), self, limit_numel)
-        copies = self._copies
-        copies.keep_only(window)  # the trace moved past the others (or they are whole)
-        todo = [(sp, sp.held_shard) for sp in window.values() if not copies.has(sp)]
-        if todo:
-            copies.copy_ahead(todo)
+        self._copies.copy_window(window, lambda sp: sp.held_shard)
 
     def for_gather(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s shard for the gather packing it on the current stream: its device

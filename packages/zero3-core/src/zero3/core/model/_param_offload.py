@@ -311,7 +311,7 @@ class ParamSwap:
             self._start_reads(shards, limit_numel)
             return
         window, past = take_window(shards, self, limit_numel)
-        self._copy_ahead(window)
+        self._copies.copy_window(window, self._values_in)
         # The file stage runs a window ahead of the device's: the next window's reads
         # start now, so that the next read-ahead finds them in.
         after = [past] if past is not None else []
@@ -340,27 +340,18 @@ class ParamSwap:
             budget -= 1
             room -= sp.shard_numel
 
-    def _copy_ahead(self, window: dict[int, ShardedParam]) -> None:
-        """Copy the shards of ``window`` onto the device whose values are in memory: read
+    def _values_in(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp``'s values where they are in memory now: read back by someone, or read
         ahead and in (a read in flight is not waited for; a failed one stays for its
-        gather to report), or read back by someone. Copies out of it are let go.
+        gather to report); None otherwise.
         """
-        copies = self._copies
-        copies.keep_only(window)
-        todo = []
-        for sp in window.values():
-            if copies.has(sp):
-                continue
-            if sp.resident:
-                todo.append((sp, sp.held_shard))
-                continue
-            future = self._reads.get(sp.index)
-            if future is None or not future.done() or future.exception() is not None:
-                continue
-            del self._reads[sp.index]
-            todo.append((sp, self._took_read(sp, future.result())))
-        if todo:
-            copies.copy_ahead(todo)
+        if sp.resident:
+            return sp.held_shard
+        future = self._reads.get(sp.index)
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        del self._reads[sp.index]
+        return self._took_read(sp, future.result())
 
     def for_gather(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s shard for the gather packing it on the current stream. On a CPU run:
