@@ -130,11 +130,11 @@ def test_param_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_
         results = group.run(_pair, case, str(root))
         for rank, res in enumerate(results):
             assert res["diffs"] == [0] * STEPS, (case, rank, res)
-            if world_size == 1:  # a world of one: the shards are the parameters
-                assert not res["swap"], res
-                continue
+            # A world of one offloads too: each parameter is its own shard, fetched
+            # from the swap file for its module (a gather with no peer to wait for).
             assert res["swap"], res
-            assert res["gathers"] > 0 and res["reductions"] > 0, (case, res)
+            assert res["gathers"] > 0, (case, res)
+            assert res["reductions"] > 0 or world_size == 1, (case, res)
             # Every step reads the shards back (forward and backward) and writes the
             # stepped ones; most reads started ahead of the gather that used them.
             assert res["read"] >= (STEPS - 1) * res["nvme_param"] > 0, (case, res)
@@ -291,6 +291,26 @@ def test_checkpoints_of_offloaded_models_resume_with_or_without_offload(
         assert torch.equal(runs[0][key], runs[1][key]), key
 
 
+@pytest.mark.parametrize(("saved_world", "resumed_world"), [(2, 1), (1, 2)])
+def test_one_device_with_offloaded_parameters_saves_and_resumes_at_another_world_size(
+    worker_pool, saved_world, resumed_world, tmp_path
+):
+    """A world of one with its parameters in a swap file saves checkpoints any world size
+    resumes, and resumes theirs: bit for bit the same resume as entirely in memory.
+    """
+    runs = []
+    for tag, saved_as, resumed_as in (("offloaded", "both", "both"), ("plain", "none", "none")):
+        ckpt = str(tmp_path / tag)
+        worker_pool(saved_world).run(_save, str(tmp_path / "a"), ckpt, saved_as, "sgd-momentum")
+        resumed = worker_pool(resumed_world).run(
+            _resume, str(tmp_path / "b"), ckpt, resumed_as, "sgd-momentum"
+        )
+        runs.append(resumed[0])
+    assert runs[0].keys() == runs[1].keys()
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
 def _in_memory(mode: str) -> str:
     """The same model and optimizer without offload."""
     return {"both": "none", "optimizer": "none"}.get(mode, mode.removeprefix("optimizer-"))
@@ -333,6 +353,15 @@ def test_a_broken_param_swap_file_on_one_rank_fails_every_rank(worker_pool, kind
         assert "rank 1" in text and "could not read its parameter shard back" in text, results
     # The failing rank names its file.
     assert "params.swp" in results[1] and "short read" in results[1], results
+
+
+def test_a_broken_param_swap_file_in_a_world_of_one_raises(worker_pool, tmp_path):
+    """One device with its parameters in the swap file: a truncated file is an error
+    naming it, never zeros or stale values gathered into the model.
+    """
+    (text,) = worker_pool(1).run(_fault, "truncated", str(tmp_path))
+    assert "rank 0" in text and "could not read its parameter shard back" in text, text
+    assert "params.swp" in text and "short read" in text, text
 
 
 def _shard_error(root: str, block_rank_1: bool) -> str:

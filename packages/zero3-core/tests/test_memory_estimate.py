@@ -124,3 +124,24 @@ def test_parameter_offload_moves_the_shards_out_and_gives_them_separate_masters(
     # DeepSpeed's max_in_cpu default (10⁹ elements) keeps a model this small in memory.
     kept = Zero3Config(param_persistence_threshold=0, offload_param=nvme)
     assert estimate_model_states(psi, 4, config=kept).param_bytes == plain.param_bytes
+
+
+def test_one_device_with_offloaded_parameters_keeps_only_the_window_there(tmp_path):
+    """A world of one offloads too: each parameter's "shard" is the whole parameter, off
+    the device between uses, and a gather window is counted where in memory nothing was.
+    """
+    psi = 1 << 20
+    plain = estimate_model_states(psi, 1, config=SHARD_ALL, device="cuda")
+    assert plain.param_bytes == 4 * psi and plain.window is None
+    for param in ({"device": "cpu"}, {"device": "nvme", "nvme_path": str(tmp_path)}):
+        config = Zero3Config(
+            param_persistence_threshold=0, offload_param={**param, "max_in_cpu": 0}
+        )
+        est = estimate_model_states(psi, 1, config=config, device="cuda")
+        assert est.param_bytes == 0, (param, est)
+        moved = est.nvme_bytes if param["device"] == "nvme" else est.host_bytes
+        assert moved >= 4 * psi, (param, est)
+        assert est.window is not None and est.window_bytes > 0, (param, est)
+    # On a CPU run ``cpu`` moves nothing (the parameters are in host memory already).
+    config = Zero3Config(param_persistence_threshold=0, offload_param={"device": "cpu"})
+    assert estimate_model_states(psi, 1, config=config).param_bytes == plain.param_bytes

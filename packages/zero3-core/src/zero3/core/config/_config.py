@@ -335,6 +335,17 @@ def _load_json(path: Path) -> Any:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON: {exc}") from exc
 
 
-def is_persistent(numel: int, world_size: int, config: Zero3Config) -> bool:
-    """Whether a parameter stays whole on every rank (a world of one keeps everything)."""
-    return world_size == 1 or numel <= config.param_persistence_threshold
+def is_persistent(
+    numel: int, world_size: int, config: Zero3Config, *, offloaded: bool = False
+) -> bool:
+    """Whether a parameter stays whole on every rank.
+
+    A world of one keeps everything whole, unless parameter shards are ``offloaded``
+    (:meth:`OffloadParamConfig.moves_shards`): then the parameters above the threshold
+    live off the device as at any world size, each "shard" a whole parameter, fetched
+    for its module and let go after it, which is what lets one device train a model
+    larger than its memory.
+    """
+    if numel <= config.param_persistence_threshold:
+        return True
+    return world_size == 1 and not offloaded

@@ -145,6 +145,13 @@ class OffloadParamConfig:
         """Whether parameter shards are offloaded."""
         return self.device != "none"
 
+    def moves_shards(self, device_type: str) -> bool:
+        """Whether shards of a model on ``device_type`` leave where the model is:
+        ``nvme`` always, ``cpu`` only from an accelerator (a CPU run's shards are in
+        host memory already).
+        """
+        return self.device == "nvme" or (self.device == "cpu" and device_type != "cpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class AioConfig:

@@ -339,13 +339,16 @@ class Materializer:
         names: dict[int, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
+        offloaded = config.offload_param.moves_shards(self.device.type)
         self._targets = [
             _Target(
                 index=index,
                 names=names.get(id(param), [name]),
                 param=param,
                 dtype=config.param_dtype or param.dtype,
-                persistent=is_persistent(param.numel(), comm.world_size, config),
+                persistent=is_persistent(
+                    param.numel(), comm.world_size, config, offloaded=offloaded
+                ),
             )
             for index, (name, param) in enumerate(named)
         ]

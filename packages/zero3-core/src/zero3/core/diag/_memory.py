@@ -295,30 +295,23 @@ def _check_module(model: object) -> None:
 
 
 def _window_estimate(
-    model: nn.Module | int, world_size: int, config: Zero3Config, el: int
+    model: nn.Module | int, world_size: int, config: Zero3Config, el: int, offloaded: bool
 ) -> tuple[GatherWindow | None, int]:
     """The gather window a model would get (each module's own parameters a fetch unit,
     as without leaf modules), and the buffers in use beside it.
     """
-    if world_size == 1:
-        return None, 0
+
+    def is_sharded(numel: int) -> bool:
+        return not is_persistent(numel, world_size, config, offloaded=offloaded)
+
     if isinstance(model, int):
-        units = [] if is_persistent(model, world_size, config) else [model]
+        units = sizes = [model] if is_sharded(model) else []
     else:
         units = [
-            sum(p.numel() for p in m.parameters(recurse=False)
-                if not is_persistent(p.numel(), world_size, config))
+            sum(p.numel() for p in m.parameters(recurse=False) if is_sharded(p.numel()))
             for m in model.modules()
-        ]  # fmt: skip
-    sizes = (
-        [model]
-        if isinstance(model, int)
-        else [
-            p.numel()
-            for p in model.parameters()
-            if not is_persistent(p.numel(), world_size, config)
         ]
-    )
+        sizes = [p.numel() for p in model.parameters() if is_sharded(p.numel())]
     sharded = sum(sizes)
     if not sharded:
         return None, 0
@@ -392,19 +385,20 @@ def estimate_model_states(
     reduce_dtype = reduce_dtype or config.reduce_dtype
     held = {"param": 0, "grad": 0, "master": 0, "optimizer": 0}
     unsharded = 0
-    swapping = config.offload_param.device == "nvme" and world_size > 1
+    swapping = config.offload_param.device == "nvme"
     kept = param_nvme = 0  # shard elements max_in_cpu keeps; shard bytes swapped out
     offload = config.offload_optimizer
     accelerator = torch.device(device).type != "cpu"
-    to_host = accelerator and config.offload_param.device == "cpu" and world_size > 1
+    to_host = accelerator and config.offload_param.device == "cpu"
+    offloaded = config.offload_param.moves_shards(torch.device(device).type)
     host_param = host_fp32_master = 0  # shards in host memory; offloaded fp32 shards' masters
     for numel, own_dtype, trainable in params:
         dtype = param_dtype or own_dtype
         el = torch.empty((), dtype=dtype).element_size()
         grad_el = torch.empty((), dtype=reduce_dtype or dtype).element_size()
         shard = -(-numel // world_size)
-        whole = is_persistent(numel, world_size, config)
-        if world_size == 1:  # the "shard" is the parameter itself
+        whole = is_persistent(numel, world_size, config, offloaded=offloaded)
+        if world_size == 1 and whole:  # the "shard" is the parameter itself
             held["param"] += numel * el
         else:  # a persistent parameter keeps its shard and its whole self
             held["param"] += shard * el + (numel * el if whole else 0)
@@ -432,7 +426,7 @@ def estimate_model_states(
     el = max(
         (torch.empty((), dtype=param_dtype or d).element_size() for _, d, _ in params), default=4
     )
-    window, buffers = _window_estimate(model, world_size, config, el)
+    window, buffers = _window_estimate(model, world_size, config, el, offloaded)
     moved = {"master": 0, "optimizer": 0}
     if offload.device in ("cpu", "nvme"):
         moved = {k: int(held[k] * offload.ratio) for k in moved}

@@ -55,24 +55,18 @@ def open_shard_home(
         return None
     device = next((p.device for _, p in named if not p.is_meta), comm.device())
     world = comm.world_size
-    if world == 1:
+    if not section.moves_shards(device.type):
         say_once(
-            f"zero3: offload_param {section.device}: nothing moves (in a world of one "
-            "the shards are the parameters themselves, kept whole where they are)"
+            "zero3: offload_param cpu: nothing moves (the shards are in host memory "
+            "already on a CPU run)"
         )
         return None
     offloaded = [
         (index, param)
         for index, (_, param) in enumerate(named)
-        if not is_persistent(param.numel(), world, config)
+        if not is_persistent(param.numel(), world, config, offloaded=True)
     ]
     if section.device == "cpu":
-        if device.type == "cpu":
-            say_once(
-                "zero3: offload_param cpu: nothing moves (the shards are in host memory "
-                "already on a CPU run)"
-            )
-            return None
         host = HostShards(section.pin_memory)  # read ahead onto the device for each gather
         host.plan(index for index, _ in offloaded)
         return host
@@ -119,12 +113,19 @@ def new_sharded_param(
     world, rank = comm.world_size, comm.rank
     numel = param.numel()
     shard_numel = -(-numel // world)
+    device = comm.device() if param.is_meta else param.device
+    persistent = is_persistent(
+        numel, world, config, offloaded=config.offload_param.moves_shards(device.type)
+    )
+    aliases = world == 1 and persistent
     if shard is not None:
         pass  # cut by the materializer
-    elif world == 1:
+    elif aliases:
         # Note: a world of one has nothing to shard. The "shard" is the parameter's
         # own data and the parameter stays whole (persistent): no gathers, and the
         # optimizer steps the parameter in place, so a single process pays nothing.
+        # Offloaded parameters are the exception: their "shard" is a copy that lives
+        # off the device, and the parameter is fetched for its module like any shard.
         shard = param.detach().reshape(-1)
     else:
         flat = param.detach().reshape(-1)
@@ -140,10 +141,10 @@ def new_sharded_param(
         numel=numel,
         shard_numel=shard_numel,
         _shard=shard,
-        persistent=is_persistent(numel, world, config),
+        persistent=persistent,
         rank=rank,
         world_size=world,
-        aliases_param=world == 1,
+        aliases_param=aliases,
     )
     _params.register(sp)
     _params.dress_sharded(param)

@@ -295,7 +295,8 @@ class ShardedModelState:
         changed = window != self.coordinator.window or not self._window_logged
         self.coordinator.window = window
         self.pool.limit_bytes = window.pool_bytes
-        if changed and self.comm.rank == 0 and self.comm.world_size > 1:
+        gathers = self.comm.world_size > 1 or not all(sp.persistent for sp in self.params)
+        if changed and self.comm.rank == 0 and gathers:
             _log.info(
                 "zero3: gather window of %s: %s", type(self.module).__name__, window.describe()
             )

@@ -165,8 +165,8 @@ class ModelSync:
         """Merge every rank's edits of whole parameters into the shards and masters, and
         give every rank rank 0's buffers. A collective (``step``: for the header).
         """
-        if self.comm.world_size == 1:
-            return
+        if self.comm.world_size == 1 and all(sp.aliases_param for sp in self.params):
+            return  # nothing is kept apart from the parameters themselves
         edited: dict[int, torch.Tensor | None] = dict(self.coordinator.edits)
         for sp in self.params:
             if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
@@ -198,6 +198,8 @@ class ModelSync:
 
     def _flagged(self, edited: dict[int, torch.Tensor | None]) -> list[ShardedParam]:
         """The parameters some rank edited (a collective: one flag per parameter)."""
+        if self.comm.world_size == 1:
+            return [self.params[index] for index in sorted(edited)]
         flags = torch.zeros(len(self.params), dtype=torch.uint8)
         for index in edited:
             flags[index] = 1

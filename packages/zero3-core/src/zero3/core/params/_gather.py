@@ -120,7 +120,8 @@ class GatherHandle:
         verify: When the fingerprints are checked: ``"now"`` (on finish: one host
             synchronisation per gather), ``"later"`` (kept in :attr:`prints` for one
             batched check, :func:`verify_fingerprints`) or ``"headers"`` (not at all:
-            every rank announced this gather in an identical header beforehand).
+            every rank announced this gather in an identical header beforehand, or
+            there is no other rank).
     """
 
     def __init__(
@@ -175,10 +176,13 @@ class GatherHandle:
             sp.set_status(ParamStatus.INFLIGHT)
         if self.read_error is not None:
             send[-FINGERPRINT_BYTES:].copy_(layout.read_failed_print(module_index, failed))
+            self.verify = "now"  # a rank that could not read its shard stops every rank here
+        elif self._world == 1:
+            self.verify = "headers"  # no other rank to disagree with: nothing to check
         else:
             send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
-        if fallible or self.read_error is not None:
-            self.verify = "now"  # a rank that could not read its shard stops every rank here
+            if fallible:
+                self.verify = "now"  # a peer that could not read its shard stops this rank
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
         self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
