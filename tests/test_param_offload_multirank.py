@@ -112,6 +112,8 @@ def _pair(case: str, root: str) -> dict[str, Any]:
         direct=swap.direct_io,
         gathers=stats(twin).gathers,
         reductions=stats(twin).reduce_collectives,
+        fingerprint=stats(twin).gather_fingerprint_bytes,
+        receive_buffers=sharded_state(twin).pool.peak_kind_bytes.get("gather", 0),
     )
     directory = swap.path.parent
     for opt in opts:
@@ -135,6 +137,10 @@ def test_param_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_
             assert res["swap"], res
             assert res["gathers"] > 0, (case, res)
             assert res["reductions"] > 0 or world_size == 1, (case, res)
+            # Alone, a rank fills each parameter from its shard: no receive buffer,
+            # nothing sent, so no fingerprint either.
+            assert (res["fingerprint"] == 0) == (world_size == 1), (case, res)
+            assert (res["receive_buffers"] == 0) == (world_size == 1), (case, res)
             # Every step reads the shards back (forward and backward) and writes the
             # stepped ones; most reads started ahead of the gather that used them.
             assert res["read"] >= (STEPS - 1) * res["nvme_param"] > 0, (case, res)

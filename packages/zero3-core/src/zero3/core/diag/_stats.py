@@ -115,6 +115,24 @@ class StepStats:
         total = self.prefetch_hits + self.prefetch_misses
         return self.prefetch_hits / total if total else 0.0
 
+    def count_gather(
+        self, *, forward: bool, numel: int, payload: int, buffer: int, world: int
+    ) -> None:
+        """Count one gather of ``numel`` elements (``payload`` bytes of them) through a
+        ``buffer``-byte chunk per rank (fingerprint included); a world of one fills its
+        parameters from their shards, through no buffer.
+        """
+        if forward:
+            self.forward_gathers += 1
+            self.forward_gathered_numel += numel
+        else:
+            self.backward_gathers += 1
+            self.backward_gathered_numel += numel
+        self.gather_payload_bytes += payload
+        if world > 1:
+            self.gather_fingerprint_bytes += 16 * world
+            self.gather_padding_bytes += buffer * world - payload - 16 * world
+
     def copy(self) -> StepStats:
         """A snapshot of these counters."""
         return dataclasses.replace(self)

@@ -590,16 +590,10 @@ class ParamCoordinator:
             self._gathering[sp.index] = handle
         stats = self.stats.current
         numel = sum(sp.numel for sp in params)
-        if at.forward:
-            stats.forward_gathers += 1
-            stats.forward_gathered_numel += numel
-        else:
-            stats.backward_gathers += 1
-            stats.backward_gathered_numel += numel
-        world = self.comm.world_size
-        stats.gather_payload_bytes += layout.payload_bytes
-        stats.gather_fingerprint_bytes += 16 * world
-        stats.gather_padding_bytes += layout.chunk_bytes * world - layout.payload_bytes - 16 * world
+        stats.count_gather(
+            forward=at.forward, numel=numel, payload=layout.payload_bytes,
+            buffer=layout.chunk_bytes, world=self.comm.world_size,
+        )  # fmt: skip
         self.live_numel += numel
         self.live_bytes += layout.payload_bytes
         self._high_bytes = max(self._high_bytes, self.live_bytes)

@@ -150,13 +150,20 @@ class GatherHandle:
         self._world = comm.world_size
         device = layout.params[0].device
         self._pool = pool
-        self._recv: torch.Tensor | None = pool.take(layout.chunk_bytes * self._world, device)
-        # Pack straight into this rank's own chunk of the receive buffer and gather in
-        # place: no separate send buffer, one copy less.
-        send = self._recv.view(self._world, layout.chunk_bytes)[comm.rank]
+        self._finished = False
         #: This rank's failure to read an offloaded shard back (it sends zeros and an
         #: "I/O failed" fingerprint instead, so every rank raises at finish).
         self.read_error: ShardReadError | None = None
+        self._recv: torch.Tensor | None = None
+        self._work: Work | None = None
+        self._failed = -1  # the parameter whose shard could not be read (a world of one)
+        if self._world == 1:
+            self._fill_alone()
+            return
+        self._recv = pool.take(layout.chunk_bytes * self._world, device)
+        # Pack straight into this rank's own chunk of the receive buffer and gather in
+        # place: no separate send buffer, one copy less.
+        send = self._recv.view(self._world, layout.chunk_bytes)[comm.rank]
         failed, fallible = -1, False
         for sp, offset in zip(layout.params, layout.offsets, strict=True):
             nbytes = sp.shard_numel * sp.itemsize
@@ -177,15 +184,36 @@ class GatherHandle:
         if self.read_error is not None:
             send[-FINGERPRINT_BYTES:].copy_(layout.read_failed_print(module_index, failed))
             self.verify = "now"  # a rank that could not read its shard stops every rank here
-        elif self._world == 1:
-            self.verify = "headers"  # no other rank to disagree with: nothing to check
         else:
             send[-FINGERPRINT_BYTES:].copy_(layout.fingerprint_on(module_index, device))
             if fallible:
                 self.verify = "now"  # a peer that could not read its shard stops this rank
         if stream is not None:
             stream.wait_stream(comm.current_stream())  # the packing above ran there
-        self._work: Work | None = comm.all_gather(self._recv, send, stream=stream)
+        self._work = comm.all_gather(self._recv, send, stream=stream)
+
+    def _fill_alone(self) -> None:
+        """A world of one: each shard is its whole parameter, so the parameters are
+        filled from their shards now, on this stream; :meth:`finish` makes them
+        available. No receive buffer, no copy-out, no fingerprint (no other rank).
+        """
+        self.verify = "headers"
+        for sp in self.layout.params:
+            home = sp.home
+            try:
+                shard = sp.shard if home is None else home.for_gather(sp)
+            except ShardReadError as exc:
+                self.read_error, self._failed = exc, sp.index
+                break
+
+            def fill(flat: torch.Tensor, shard: torch.Tensor = shard) -> None:
+                flat.copy_(shard[: flat.numel()])
+
+            sp.set_status(ParamStatus.AVAILABLE)  # its own class, to be filled
+            fill_full(sp.param, fill, self._pool)
+            if home is not None:
+                home.drop(sp)
+            sp.set_status(ParamStatus.INFLIGHT)  # available once finished
 
     def received_prints(self) -> torch.Tensor:
         """The fingerprint bytes of every rank's chunk as received (before finish)."""
@@ -199,11 +227,19 @@ class GatherHandle:
     @property
     def finished(self) -> bool:
         """True once :meth:`finish` has run."""
-        return self._recv is None
+        return self._finished
 
     def finish(self, stream: Stream | None = None) -> None:
         """Wait for the data, check fingerprints, and fill the parameters' storages."""
-        if self._recv is None or self._work is None:
+        if self._finished:
+            return
+        self._finished = True
+        if self._recv is None or self._work is None:  # a world of one: filled already
+            if self.read_error is not None:
+                row = [_READ_FAILED, self.module_index, self._failed, 0]
+                _raise_read_failures(self, [row], self._describe)
+            for sp in self.layout.params:
+                sp.set_status(ParamStatus.AVAILABLE)
             return
         self._work.wait(stream)
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
