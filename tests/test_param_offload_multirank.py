@@ -297,6 +297,41 @@ def test_checkpoints_of_offloaded_models_resume_with_or_without_offload(
         assert torch.equal(runs[0][key], runs[1][key]), key
 
 
+def _save_async(root: str, directory: str, mode: str, optimizer: str) -> dict[str, Any]:
+    """Train 2 steps, save asynchronously and train the third while the save writes."""
+    model, opt = _model(root, mode, optimizer)
+    _train(model, opt, range(2))
+    future = save_checkpoint(directory, model, opt, async_save=True)
+    assert future is not None
+    _train(model, opt, range(2, 3))  # the swap files change under the save
+    future.result()
+    beside = sorted(p.name for p in Path(directory).parent.iterdir())
+    return {"weights": full_state_dict(model), "beside": beside}
+
+
+def test_an_async_save_of_offloaded_state_writes_the_state_it_was_called_with(
+    worker_pool, tmp_path
+):
+    """The offloaded records and shards an async save writes are copied to a snapshot
+    file when it is called (not read back into memory): training on while it writes
+    changes the swap files, not the checkpoint, which resumes exactly as a synchronous
+    save of the same moment; the snapshot is gone once the save is done.
+    """
+    sync, lazy = tmp_path / "ckpt" / "sync", tmp_path / "ckpt" / "async"
+    saved = worker_pool(2).run(_save, str(tmp_path / "a"), str(sync), "both", "adamw")[0]
+    results = worker_pool(2).run(_save_async, str(tmp_path / "a"), str(lazy), "both", "adamw")
+    for result in results:
+        assert result["beside"] == ["async", "sync"], result["beside"]
+        for key, value in saved.items():  # the same three steps either way
+            assert torch.equal(result["weights"][key], value), key
+    resumed = [
+        worker_pool(2).run(_resume, str(tmp_path / "b"), str(d), "both", "adamw")[0]
+        for d in (sync, lazy)
+    ]
+    for key in resumed[0]:
+        assert torch.equal(resumed[0][key], resumed[1][key]), key
+
+
 @pytest.mark.parametrize(("saved_world", "resumed_world"), [(2, 1), (1, 2)])
 def test_one_device_with_offloaded_parameters_saves_and_resumes_at_another_world_size(
     worker_pool, saved_world, resumed_world, tmp_path

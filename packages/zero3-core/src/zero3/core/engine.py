@@ -33,6 +33,7 @@ from zero3.core.files._format import (
 )
 from zero3.core.files._ranks import raise_on_every_rank
 from zero3.core.files._reader import CheckpointReader
+from zero3.core.files._snapshot import DiskSnapshot
 from zero3.core.files._swap import (
     AlignedBuffer,
     IOPool,
@@ -98,6 +99,7 @@ __all__ = [
     "DeferredTensor",
     "DeviceCopyStats",
     "DiscretePath",
+    "DiskSnapshot",
     "GatherWindow",
     "GradBucket",
     "HostShards",

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from zero3.core import (
@@ -37,7 +36,6 @@ from zero3.core import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    sharded_state_dict,
 )
 from zero3.core import load_sharded_state_dict as load_model_state
 from zero3.core.engine import (
@@ -48,7 +46,9 @@ from zero3.core.engine import (
     CheckpointSavePlanner,
     CheckpointStorageWriter,
     DeferredTensor,
+    DiskSnapshot,
     checkpoint_group,
+    clone_state_dict,
     quiet_dcp_warnings,
     raise_on_every_rank,
     sharded_param,
@@ -133,43 +133,33 @@ def save_checkpoint(
     staging = _staging_dir(group, target, rank)
     if rank == 0:
         _remove_stale(target)
-    # A synchronous save reads offloaded parameter shards as it writes them (one at a
-    # time); an async one stages a copy of everything first, so it reads them all.
-    deferred: Mapping[str, DeferredTensor] = {}
-    if async_save:
-        model_sd = sharded_state_dict(module)
-    else:
-        model_sd, deferred = streamed_sharded_state_dict(module)
+    # Offloaded parameter shards and optimizer records are read as they are written
+    # (one at a time), not all first.
+    model_sd, deferred = streamed_sharded_state_dict(module)
     sd: dict[str, Any] = {
         _L.info: {"format_version": CHECKPOINT_FORMAT_VERSION, "info": _info(module, optimizer)},
         _L.model: model_sd,
         _L.extra: _copy_plain(dict(extra or {})),
     }
     later: dict[tuple[str, ...], DeferredTensor] = {(_L.model, k): v for k, v in deferred.items()}
-    if optimizer is not None and async_save:
-        sd[_L.optim] = optimizer.sharded_state_dict()
-    elif optimizer is not None:  # offloaded records are read as they are written, too
+    if optimizer is not None:
         sd[_L.optim], optim_deferred = optimizer.streamed_sharded_state_dict()
         later.update({(_L.optim, *k): v for k, v in optim_deferred.items()})
     writer = CheckpointStorageWriter(staging, file_per_item=bool(later))
     if not async_save:
-        planner = CheckpointSavePlanner(later)
-        with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
-            dcp_save(
-                sd,
-                storage_writer=writer,
-                planner=planner,
-                process_group=group,
-                no_dist=group is None,
-            )
+        _write(sd, writer, CheckpointSavePlanner(later), group, target)
         _publish_everywhere(group, rank, staging, target)
         return None
-    with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
-        upload = dcp_async_save(
-            sd, storage_writer=writer, process_group=group, no_dist=group is None
-        )
+    # Training goes on while an async save writes: it writes a copy taken now, the
+    # in-memory state copied to memory and the offloaded state to a snapshot file.
+    snapshot, taken = _take_snapshot(group, rank, staging, target, later)
+    keep = frozenset(e.placeholder.untyped_storage().data_ptr() for e in later.values())
+    staged = clone_state_dict(sd, keep)
     del sd  # staged: the live tensors may change from here on
-    future = _background().submit(_finish_async, upload, group, rank, staging, target)
+    planner = CheckpointSavePlanner(taken)
+    future = _background().submit(
+        _finish_async, staged, writer, planner, group, rank, staging, target, snapshot
+    )
     future.add_done_callback(_log_failure)
     with _lock:
         _pending.append(future)
@@ -560,11 +550,72 @@ def _background() -> ThreadPoolExecutor:
         return _executor
 
 
+def _write(
+    sd: dict[str, Any],
+    writer: CheckpointStorageWriter,
+    planner: CheckpointSavePlanner,
+    group: dist.ProcessGroup | None,
+    target: Path,
+) -> None:
+    with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
+        dcp_save(
+            sd, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None
+        )
+
+
+def _take_snapshot(
+    group: dist.ProcessGroup | None,
+    rank: int,
+    staging: Path,
+    target: Path,
+    later: Mapping[tuple[str, ...], DeferredTensor],
+) -> tuple[DiskSnapshot | None, dict[tuple[str, ...], DeferredTensor]]:
+    """Copy the offloaded state an async save writes to a snapshot file beside the
+    staging directory (so an interrupted save's is removed with it); the entries that
+    read it. Every rank raises if some rank could not write its own.
+    """
+    if not later:
+        return None, {}
+    directory = staging.parent / f"{staging.name}-snapshot-rank{rank}"
+    snapshot: DiskSnapshot | None = None
+    taken: dict[tuple[str, ...], DeferredTensor] = {}
+    error: BaseException | None = None
+    try:
+        snapshot = DiskSnapshot(directory)
+        taken = dict(snapshot.take(later))
+    except OSError as exc:
+        need = sum(e.placeholder.numel() * e.placeholder.element_size() for e in later.values())
+        error = CheckpointError(
+            f"cannot save checkpoint {target}: rank {rank} could not copy its offloaded "
+            f"state ({need} bytes) to {directory} for an async save ({exc}). Free that "
+            "much space there, or save with async_save=False (it reads the swap files "
+            "as it writes)"
+        )
+    try:
+        raise_on_every_rank(group, error)
+    except BaseException:
+        if snapshot is not None:
+            snapshot.close()
+        raise
+    return snapshot, taken
+
+
 def _finish_async(
-    upload: Any, group: dist.ProcessGroup | None, rank: int, staging: Path, target: Path
+    staged: dict[str, Any],
+    writer: CheckpointStorageWriter,
+    planner: CheckpointSavePlanner,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    staging: Path,
+    target: Path,
+    snapshot: DiskSnapshot | None,
 ) -> Path:
-    with _failures("cannot save checkpoint", target):
-        upload.result()
+    """Write an async save's staged copy (on the checkpoint thread) and publish it."""
+    try:
+        _write(staged, writer, planner, group, target)
+    finally:
+        if snapshot is not None:
+            snapshot.close()
     _publish_everywhere(group, rank, staging, target)
     return target
 

@@ -276,12 +276,9 @@ def _crc32(f: IO[bytes], offset: int, length: int) -> int:
 
 class CheckpointStorageWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` (one file per rank unless asked, fsynced) that records a
-    CRC-32 of every item it writes (see the module note).
-
-    It is also the stager of ``dcp.async_save`` (DCP uses a writer that can stage):
-    :meth:`stage` copies this rank's state to CPU memory once. DCP's default stager
-    fails on ShardedTensors, and ``FileSystemWriter``'s own deep-copies each
-    ShardedTensor's storage before copying it again (twice the rank's state, measured).
+    CRC-32 of every item it writes (see the module note). zero3's async saves stage
+    their copy themselves (:func:`clone_state_dict`) and write it with ``dcp.save`` on a
+    thread of their own.
 
     Args:
         path: The directory to write.
@@ -295,12 +292,6 @@ class CheckpointStorageWriter(FileSystemWriter):
         super().__init__(
             path, single_file_per_rank=not file_per_item, sync_files=True, overwrite=False
         )
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A CPU copy of the state to save, each tensor's data once (see the class)."""
-        self.per_thread_copy_ahead = 0  # the staged copy is on the CPU already
-        staged: dict[str, Any] = clone_state_dict(state_dict)
-        return staged
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items, then their checksums (before DCP's index)."""
@@ -727,7 +718,7 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         container[last] = loaded
 
 
-def clone_state_dict(state_dict: Any) -> Any:
+def clone_state_dict(state_dict: Any, keep: frozenset[int] = frozenset()) -> Any:
     """A CPU copy of a state dict of ShardedTensors, tensors and plain values, holding
     each tensor's data once.
 
@@ -736,17 +727,28 @@ def clone_state_dict(state_dict: Any) -> Any:
     rebuilt; other values are kept as they are. zero3's async saves stage with it
     (DCP's ``FileSystemWriter`` stager deep-copies a ShardedTensor's whole storage and
     then copies it again: twice the rank's state).
+
+    Args:
+        state_dict: What to copy.
+        keep: ``data_ptr`` of storages whose views are kept as they are, not copied:
+            the placeholders of deferred entries (:class:`DeferredTensor`).
     """
+
+    def kept(tensor: torch.Tensor) -> bool:
+        return bool(keep) and tensor.untyped_storage().data_ptr() in keep
+
     if isinstance(state_dict, ShardedTensor):
+        if any(kept(s.tensor) for s in state_dict.local_shards()):
+            return state_dict
         return _clone_sharded(state_dict)
     if isinstance(state_dict, torch.Tensor):
-        return state_dict.detach().to("cpu", copy=True)
+        return state_dict if kept(state_dict) else state_dict.detach().to("cpu", copy=True)
     if isinstance(state_dict, Mapping):
-        return {k: clone_state_dict(v) for k, v in state_dict.items()}
+        return {k: clone_state_dict(v, keep) for k, v in state_dict.items()}
     if isinstance(state_dict, list):
-        return [clone_state_dict(v) for v in state_dict]
+        return [clone_state_dict(v, keep) for v in state_dict]
     if isinstance(state_dict, tuple):
-        return tuple(clone_state_dict(v) for v in state_dict)
+        return tuple(clone_state_dict(v, keep) for v in state_dict)
     return state_dict
 
 
