@@ -33,7 +33,7 @@ from zero3.core.files._format import (
 )
 from zero3.core.files._ranks import raise_on_every_rank
 from zero3.core.files._reader import CheckpointReader
-from zero3.core.files._snapshot import DiskSnapshot
+from zero3.core.files._snapshot import DiskSnapshot, SnapshotEntry
 from zero3.core.files._swap import (
     AlignedBuffer,
     IOPool,
@@ -118,6 +118,7 @@ __all__ = [
     "Reduction",
     "ShardedModelState",
     "ShardedParam",
+    "SnapshotEntry",
     "SwapError",
     "SwapFile",
     "TraceState",

@@ -341,7 +341,7 @@ def is_persistent(
     """Whether a parameter stays whole on every rank.
 
     A world of one keeps everything whole, unless parameter shards are ``offloaded``
-    (:meth:`OffloadParamConfig.moves_shards`): then the parameters above the threshold
+    (:meth:`~zero3.core.OffloadParamConfig.moves_shards`): then the parameters above the threshold
     live off the device as at any world size, each "shard" a whole parameter, fetched
     for its module and let go after it, which is what lets one device train a model
     larger than its memory.

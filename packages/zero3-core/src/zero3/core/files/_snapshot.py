@@ -13,17 +13,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from zero3.core.files._format import DeferredTensor
 
 __all__ = ["DiskSnapshot", "SnapshotEntry"]
-
-K = TypeVar("K", bound=Hashable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +59,9 @@ class DiskSnapshot:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.nbytes = 0
 
-    def take(self, deferred: Mapping[K, DeferredTensor]) -> dict[K, SnapshotEntry]:
+    def take(
+        self, deferred: Mapping[tuple[str, ...], DeferredTensor]
+    ) -> dict[tuple[str, ...], SnapshotEntry]:
         """Copy each entry's values (read one at a time, group after group, so a
         record read back serves all of its entries) and return entries reading them
         from the file.
@@ -70,7 +69,7 @@ class DiskSnapshot:
         Raises:
             OSError: The file could not be written (a full disk: ``ENOSPC``).
         """
-        taken: dict[K, SnapshotEntry] = {}
+        taken: dict[tuple[str, ...], SnapshotEntry] = {}
         for key, entry in sorted(deferred.items(), key=lambda item: item[1].group):
             values = entry.read().detach().to("cpu").contiguous()
             offset = self.nbytes
