@@ -572,17 +572,17 @@ def _take_snapshot(
 ) -> tuple[DiskSnapshot | None, dict[tuple[str, ...], DeferredTensor]]:
     """Copy the offloaded state an async save writes to a snapshot file beside the
     staging directory (so an interrupted save's is removed with it); the entries that
-    read it. Every rank raises if some rank could not write its own.
+    read it. Every rank raises if some rank could not write its own (every rank takes
+    part, also one with nothing offloaded: a rank may hold no element of a parameter).
     """
-    if not later:
-        return None, {}
     directory = staging.parent / f"{staging.name}-snapshot-rank{rank}"
     snapshot: DiskSnapshot | None = None
     taken: dict[tuple[str, ...], DeferredTensor] = {}
     error: BaseException | None = None
     try:
-        snapshot = DiskSnapshot(directory)
-        taken = dict(snapshot.take(later))
+        if later:
+            snapshot = DiskSnapshot(directory)
+            taken = dict(snapshot.take(later))
     except OSError as exc:
         need = sum(e.placeholder.numel() * e.placeholder.element_size() for e in later.values())
         error = CheckpointError(
