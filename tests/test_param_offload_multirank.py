@@ -297,6 +297,54 @@ def test_checkpoints_of_offloaded_models_resume_with_or_without_offload(
         assert torch.equal(runs[0][key], runs[1][key]), key
 
 
+def _edited_in_forward(root: str) -> list[int]:
+    """In-memory and offloaded twins whose forward scales a gathered weight in place at
+    step 1 (a forward pre-hook): the edit must reach the shards; per-step differences.
+    """
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    model, make = build("gpt_tied")
+    twin = copy.deepcopy(model)
+    base = dict(param_persistence_threshold=0)
+    shard_module(model, Zero3Config(**base), comm=comm)
+    shard_module(twin, _offload_config(root, False, **base), comm=comm)
+    opts = [PartitionedOptimizer(m, torch.optim.AdamW, lr=1e-2) for m in (model, twin)]
+    steps, diffs = [0], []
+
+    def scale(module: torch.nn.Module, _: Any) -> None:
+        if steps[0] == 1:
+            with torch.no_grad():
+                module.weight.mul_(0.5)
+
+    for m in (model, twin):
+        m.blocks[0].mlp.fc.register_forward_pre_hook(scale)
+    for step in range(3):
+        steps[0] = step
+        for m, opt in zip((model, twin), opts, strict=True):
+            x = make(LOCAL * n, step)
+            loss_of(m(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            opt.step()
+            opt.zero_grad()
+        pairs = zip(sharded_state(model).params, sharded_state(twin).params, strict=True)
+        diffs.append(sum(int((a.shard != b.shard).sum()) for a, b in pairs))
+        for sp in sharded_state(twin).params:
+            if sp.home is not None:
+                sp.home.drop(sp)
+    return diffs
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_edit_of_a_gathered_offloaded_parameter_reaches_its_shard(
+    worker_pool, world_size, tmp_path
+):
+    """An in-place edit of a whole parameter while it is gathered is kept when it is
+    released and written into its shard (in the swap file) by the step's sync, alone
+    too, where nothing is merged across ranks.
+    """
+    for diffs in worker_pool(world_size).run(_edited_in_forward, str(tmp_path)):
+        assert diffs == [0, 0, 0], diffs
+
+
 def _save_async(root: str, directory: str, mode: str, optimizer: str) -> dict[str, Any]:
     """Train 2 steps, save asynchronously and train the third while the save writes."""
     model, opt = _model(root, mode, optimizer)

@@ -23,6 +23,7 @@ from zero3.core import (
     load_sharded_state_dict,
     sharded_state_dict,
 )
+from zero3.core.engine import sharded_param
 from zero3.hooks import shard_module, stats
 from zero3.optim import PartitionedOptimizer
 
@@ -174,6 +175,9 @@ def _lora_training(
         "reduced": reduced,
         "trainable_bytes": trainable_bytes,
         "gathers": stats(peft_model).gathers,
+        "adapters_whole": all(
+            sharded_param(p).persistent for p in peft_model.parameters() if p.requires_grad
+        ),
     }
 
 
@@ -189,6 +193,20 @@ def test_adapters_on_a_sharded_base_train_like_one_process(worker_pool, kind, wo
         # Frozen weights get no gradient, no reduction, no optimizer state: what is
         # reduced each step is the adapters' gradients (fp32), nothing of the base.
         assert result["reduced"] == [result["trainable_bytes"]] * 3, result
+
+
+def test_adapters_on_a_base_offloaded_by_one_process_train_like_it(worker_pool, tmp_path):
+    """One process with its base's parameters in a swap file (each fetched for its
+    module): adapters added after sharding are not offloaded, so alone they stay whole
+    (a shard in memory beside a gathered copy would hold them twice).
+    """
+    offload = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+    (result,) = worker_pool(1).run(
+        _lora_training, "lora", 0, "fp32", offload_param=offload, timeout=240
+    )
+    assert result["same_keys"] and result["moved"] > 1e-3, result
+    assert result["loss"] < 1e-5 and result["off"] < 1e-5, result
+    assert result["gathers"] > 0 and result["adapters_whole"], result
 
 
 def _prompt_tuning_after_sharding() -> str:

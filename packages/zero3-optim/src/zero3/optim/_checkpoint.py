@@ -101,8 +101,10 @@ def save_checkpoint(
             states. A key saved by several ranks is kept once, so such values must be
             equal on every rank (per-rank values go under per-rank keys); loading
             returns it without unpickling code.
-        async_save: Return at once with a future while the files are written in the
-            background (training may go on); the future's result is the path.
+        async_save: Return with a future once this rank's state is copied (what is
+            in memory to memory, offloaded state to a snapshot file beside ``path``),
+            while the files are written in the background (training may go on); the
+            future's result is the path.
 
     Returns:
         None, or with ``async_save`` a ``Future`` that resolves once the checkpoint
@@ -130,9 +132,9 @@ def save_checkpoint(
         error = exc
     raise_on_every_rank(group, error)
     _check_replicated(group, extra or {})
-    staging = _staging_dir(group, target, rank)
-    if rank == 0:
+    if rank == 0:  # before the staging name's broadcast: no rank has made anything yet
         _remove_stale(target)
+    staging = _staging_dir(group, target, rank)
     # Offloaded parameter shards and optimizer records are read as they are written
     # (one at a time), not all first.
     model_sd, deferred = streamed_sharded_state_dict(module)
@@ -153,13 +155,18 @@ def save_checkpoint(
     # Training goes on while an async save writes: it writes a copy taken now, the
     # in-memory state copied to memory and the offloaded state to a snapshot file.
     snapshot, taken = _take_snapshot(group, rank, staging, target, later)
-    keep = frozenset(e.placeholder.untyped_storage().data_ptr() for e in later.values())
-    staged = clone_state_dict(sd, keep)
-    del sd  # staged: the live tensors may change from here on
-    planner = CheckpointSavePlanner(taken)
-    future = _background().submit(
-        _finish_async, staged, writer, planner, group, rank, staging, target, snapshot
-    )
+    try:
+        keep = frozenset(e.placeholder.untyped_storage().data_ptr() for e in later.values())
+        staged = clone_state_dict(sd, keep)
+        del sd  # staged: the live tensors may change from here on
+        planner = CheckpointSavePlanner(taken)
+        future = _background().submit(
+            _finish_async, staged, writer, planner, group, rank, staging, target, snapshot
+        )
+    except BaseException:
+        if snapshot is not None:
+            snapshot.close()
+        raise
     future.add_done_callback(_log_failure)
     with _lock:
         _pending.append(future)
@@ -583,13 +590,17 @@ def _take_snapshot(
         if later:
             snapshot = DiskSnapshot(directory)
             taken = dict(snapshot.take(later))
-    except OSError as exc:
+    except Exception as exc:  # a full disk, or a swap file that cannot be read back
+        if snapshot is not None:
+            snapshot.close()
+            snapshot = None
         need = sum(e.placeholder.numel() * e.placeholder.element_size() for e in later.values())
+        full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
         error = CheckpointError(
             f"cannot save checkpoint {target}: rank {rank} could not copy its offloaded "
-            f"state ({need} bytes) to {directory} for an async save ({exc}). Free that "
-            "much space there, or save with async_save=False (it reads the swap files "
-            "as it writes)"
+            f"state ({need} bytes) to {directory} for an async save ({exc}). "
+            + ("Free that much space there, or save" if full else "Save")
+            + " with async_save=False (it reads the swap files as it writes)"
         )
     try:
         raise_on_every_rank(group, error)
@@ -612,7 +623,13 @@ def _finish_async(
 ) -> Path:
     """Write an async save's staged copy (on the checkpoint thread) and publish it."""
     try:
-        _write(staged, writer, planner, group, target)
+        # No quiet_dcp_warnings here: warnings.catch_warnings swaps the process-wide
+        # filters, which training's thread uses meanwhile.
+        with _failures("cannot save checkpoint", target):
+            dcp_save(
+                staged, storage_writer=writer, planner=planner, process_group=group,
+                no_dist=group is None,
+            )  # fmt: skip
     finally:
         if snapshot is not None:
             snapshot.close()

@@ -572,11 +572,12 @@ class Materializer:
     def run(self, keep: Keep | None = None) -> dict[int, torch.Tensor]:
         """Materialize every handled parameter; return the shards of the sharded ones.
 
-        Persistent parameters (and all of them in a world of one) come back whole in
-        the parameter itself; the others hold no bytes (their class says they are
-        released) and their shard is returned by index: ``keep(index, shard)`` if given,
-        called as each shard is cut (parameter offload writes it out there and returns
-        an empty tensor, so the offloaded shards never pile up in memory).
+        Persistent parameters (in a world of one all of them, unless parameter offload
+        moves them) come back whole in the parameter itself; the others hold no bytes
+        (their class says they are released) and their shard is returned by index:
+        ``keep(index, shard)`` if given, called as each shard is cut (parameter offload
+        writes it out there and returns an empty tensor, so the offloaded shards never
+        pile up in memory).
         """
         shards: dict[int, torch.Tensor] = {}
         if not self.active:

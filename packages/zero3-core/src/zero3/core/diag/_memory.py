@@ -320,6 +320,8 @@ def _window_estimate(
         config, units, sharded_numel=sharded, element_size=el, world_size=world_size,
         shard_bytes=shard_bytes,
     )  # fmt: skip
+    if world_size == 1:  # parameters filled from their shards, gradients kept whole
+        return window, 0
     # One gather being copied out (receive buffer beside the storages it fills), and
     # the buckets in use: four reductions in flight and the one filling, each a chunk
     # or, for a parameter larger than a chunk, that parameter's own bucket.

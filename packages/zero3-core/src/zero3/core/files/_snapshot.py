@@ -54,10 +54,14 @@ class DiskSnapshot:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir()
         self.path = directory / "values.bin"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.nbytes = 0
+        directory.mkdir()
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
 
     def take(
         self, deferred: Mapping[tuple[str, ...], DeferredTensor]

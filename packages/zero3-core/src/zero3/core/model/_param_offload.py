@@ -163,7 +163,7 @@ class ParamSwap:
 
     Args:
         plan: The shards of the sharded parameters in parameter order (persistent ones
-            and a world of one's stay in memory).
+            stay in memory).
         config: The ``offload_param`` section.
         aio: How the file is read and written.
         rank: This rank (names the directory).

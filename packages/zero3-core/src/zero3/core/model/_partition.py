@@ -105,18 +105,21 @@ def new_sharded_param(
     config: Zero3Config,
     comm: CommBackend,
     shard: torch.Tensor | None = None,
+    *,
+    homed: bool = True,
 ) -> ShardedParam:
     """Record one parameter's partition (registered; its whole data freed unless it is
     persistent). ``shard``: this rank's shard, already cut (the materializer's; the
-    parameter then holds no bytes).
+    parameter then holds no bytes). ``homed``: ``offload_param`` may give its shard a
+    home (False for parameters added after sharding, which stay in memory: in a world
+    of one they then stay whole).
     """
     world, rank = comm.world_size, comm.rank
     numel = param.numel()
     shard_numel = -(-numel // world)
     device = comm.device() if param.is_meta else param.device
-    persistent = is_persistent(
-        numel, world, config, offloaded=config.offload_param.moves_shards(device.type)
-    )
+    moves = homed and config.offload_param.moves_shards(device.type)
+    persistent = is_persistent(numel, world, config, offloaded=moves)
     aliases = world == 1 and persistent
     if shard is not None:
         pass  # cut by the materializer

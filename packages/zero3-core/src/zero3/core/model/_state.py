@@ -257,10 +257,18 @@ class ShardedModelState:
             return params
 
     def _shard(
-        self, index: int, name: str, param: nn.Parameter, shard: torch.Tensor | None = None
+        self,
+        index: int,
+        name: str,
+        param: nn.Parameter,
+        shard: torch.Tensor | None = None,
+        *,
+        homed: bool = True,
     ) -> ShardedParam:
-        """Record one parameter's partition (``shard``: already cut) as this model's."""
-        sp = new_sharded_param(index, name, param, self.config, self.comm, shard)
+        """Record one parameter's partition (``shard``: already cut) as this model's
+        (``homed``: see :func:`new_sharded_param`).
+        """
+        sp = new_sharded_param(index, name, param, self.config, self.comm, shard, homed=homed)
         _PARAM_STATE[param] = self
         return sp
 
@@ -347,7 +355,7 @@ class ShardedModelState:
         start = len(self.params)
         owned = []
         for k, (name, param, owner) in enumerate(found.params):
-            sp = self._shard(start + k, name, param)
+            sp = self._shard(start + k, name, param, homed=False)  # not offloaded
             sp.version, sp.grads = param._version, self.step
             self.params.append(sp)  # the step, the sync and the reducer share this list
             owned.append((owner, sp))

@@ -165,12 +165,10 @@ class ModelSync:
         """Merge every rank's edits of whole parameters into the shards and masters, and
         give every rank rank 0's buffers. A collective (``step``: for the header).
         """
-        if self.comm.world_size == 1 and all(sp.aliases_param for sp in self.params):
-            return  # nothing is kept apart from the parameters themselves
-        edited: dict[int, torch.Tensor | None] = dict(self.coordinator.edits)
-        for sp in self.params:
-            if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
-                edited[sp.index] = sp.param.detach()
+        if self.comm.world_size == 1:
+            self._write_own_edits()
+            return
+        edited = self._edits()
         n = len(self.params)
         # The header carries this rank's count of edits: where no rank edited (every
         # inference step that only reads), the per-parameter flags are not exchanged.
@@ -196,10 +194,31 @@ class ModelSync:
         self.coordinator.refresh(refresh, Moment(step, Phase.BETWEEN))
         self.stats.current.other_collectives += 1
 
+    def _edits(self) -> dict[int, torch.Tensor | None]:
+        """This rank's edits of whole parameters not yet in their shards, by index: kept
+        when the parameter was released, or read from the parameter whole now.
+        """
+        edited: dict[int, torch.Tensor | None] = dict(self.coordinator.edits)
+        for sp in self.params:
+            if whole(sp) and sp.param._version != sp.version and not sp.aliases_param:
+                edited[sp.index] = sp.param.detach()
+        return edited
+
+    def _write_own_edits(self) -> None:
+        """A world of one: its edits are the values (no buffers to share, nothing to
+        merge); only parameter offload keeps shards apart from the parameters.
+        """
+        if all(sp.aliases_param for sp in self.params):
+            return
+        for index, values in self._edits().items():
+            sp = self.params[index]
+            assert values is not None
+            sp.write_local(values.reshape(-1)[: sp.local_numel])
+            sp.version = sp.param._version
+        self.coordinator.edits.clear()
+
     def _flagged(self, edited: dict[int, torch.Tensor | None]) -> list[ShardedParam]:
         """The parameters some rank edited (a collective: one flag per parameter)."""
-        if self.comm.world_size == 1:
-            return [self.params[index] for index in sorted(edited)]
         flags = torch.zeros(len(self.params), dtype=torch.uint8)
         for index in edited:
             flags[index] = 1

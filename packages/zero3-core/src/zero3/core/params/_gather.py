@@ -198,22 +198,26 @@ class GatherHandle:
         available. No receive buffer, no copy-out, no fingerprint (no other rank).
         """
         self.verify = "headers"
-        for sp in self.layout.params:
-            home = sp.home
-            try:
-                shard = sp.shard if home is None else home.for_gather(sp)
-            except ShardReadError as exc:
-                self.read_error, self._failed = exc, sp.index
-                break
+        try:
+            for sp in self.layout.params:
+                home = sp.home
+                try:
+                    shard = sp.shard if home is None else home.for_gather(sp)
+                except ShardReadError as exc:
+                    self.read_error, self._failed = exc, sp.index
+                    break
 
-            def fill(flat: torch.Tensor, shard: torch.Tensor = shard) -> None:
-                flat.copy_(shard[: flat.numel()])
+                def fill(flat: torch.Tensor, shard: torch.Tensor = shard) -> None:
+                    flat.copy_(shard[: flat.numel()])
 
-            sp.set_status(ParamStatus.AVAILABLE)  # its own class, to be filled
-            fill_full(sp.param, fill, self._pool)
-            if home is not None:
-                home.drop(sp)
-            sp.set_status(ParamStatus.INFLIGHT)  # available once finished
+                sp.set_status(ParamStatus.AVAILABLE)  # its own class, to be filled
+                fill_full(sp.param, fill, self._pool)
+                if home is not None:
+                    home.drop(sp)
+                sp.set_status(ParamStatus.INFLIGHT)  # available once finished
+        except BaseException:
+            _release_all(self)  # nothing half-filled is left behind (out of memory)
+            raise
 
     def received_prints(self) -> torch.Tensor:
         """The fingerprint bytes of every rank's chunk as received (before finish)."""
@@ -230,7 +234,9 @@ class GatherHandle:
         return self._finished
 
     def finish(self, stream: Stream | None = None) -> None:
-        """Wait for the data, check fingerprints, and fill the parameters' storages."""
+        """Wait for the data, check fingerprints, and fill the parameters' storages (in
+        a world of one they were filled when the handle was made: make them available).
+        """
         if self._finished:
             return
         self._finished = True

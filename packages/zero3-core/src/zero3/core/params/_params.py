@@ -198,8 +198,9 @@ class ShardedParam:
         persistent: Stays whole on every rank (small parameters).
         rank: This process's rank in the sharding group.
         world_size: Ranks in the sharding group.
-        aliases_param: The shard *is* the parameter's data (a world of one): writing
-            the shard updates the parameter, nothing to gather or refresh.
+        aliases_param: The shard *is* the parameter's data (a persistent parameter in a
+            world of one): writing the shard updates the parameter, nothing to gather or
+            refresh.
         holds: Modules currently running (forward or backward) that use this parameter;
             it is never released while held.
         pinned: Open ``gathered_parameters`` blocks holding it; it stays whole across
