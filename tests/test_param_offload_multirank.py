@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from zero3.comm import GlooBackend
-from zero3.core import ParamOffloadError, Zero3Config, local_grad
+from zero3.core import CheckpointError, ParamOffloadError, Zero3Config, local_grad
 from zero3.core.engine import resident_pages, sharded_state
 from zero3.hooks import full_state_dict, memory_stats, shard_module, stats
 from zero3.optim import PartitionedOptimizer, load_checkpoint, save_checkpoint
@@ -365,11 +365,12 @@ def test_an_async_save_of_offloaded_state_writes_the_state_it_was_called_with(
     changes the swap files, not the checkpoint, which resumes exactly as a synchronous
     save of the same moment; the snapshot is gone once the save is done.
     """
-    sync, lazy = tmp_path / "ckpt" / "sync", tmp_path / "ckpt" / "async"
+    # The async one's parent directory does not exist yet: the save makes it.
+    sync, lazy = tmp_path / "ckpt" / "sync", tmp_path / "later" / "async"
     saved = worker_pool(2).run(_save, str(tmp_path / "a"), str(sync), "both", "adamw")[0]
     results = worker_pool(2).run(_save_async, str(tmp_path / "a"), str(lazy), "both", "adamw")
     for result in results:
-        assert result["beside"] == ["async", "sync"], result["beside"]
+        assert result["beside"] == ["async"], result["beside"]
         for key, value in saved.items():  # the same three steps either way
             assert torch.equal(result["weights"][key], value), key
     resumed = [
@@ -378,6 +379,35 @@ def test_an_async_save_of_offloaded_state_writes_the_state_it_was_called_with(
     ]
     for key in resumed[0]:
         assert torch.equal(resumed[0][key], resumed[1][key]), key
+
+
+def _async_save_error(root: str, directory: str) -> str:
+    model, opt = _model(root, "both")
+    _train(model, opt, range(1))
+    try:
+        save_checkpoint(directory, model, opt, async_save=True)
+    except CheckpointError as exc:
+        _train(model, opt, range(1, 2))  # training goes on after the refused save
+        return str(exc)
+    return "no error"
+
+
+def test_an_async_save_without_room_for_its_snapshot_fails_every_rank(worker_pool, tmp_path):
+    """Where the offloaded state does not fit beside the checkpoint, every rank raises
+    before anything is written, naming the bytes needed and the fix.
+    """
+    mount = Path(tempfile.mkdtemp(prefix="zero3-small-"))
+    if os.system(f"mount -t tmpfs -o size=16k tmpfs {mount} 2>/dev/null") != 0:
+        os.rmdir(mount)
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        results = worker_pool(2).run(_async_save_error, str(tmp_path), str(mount / "ckpt"))
+        assert all("could not copy its offloaded state" in text for text in results), results
+        assert "Free that much space there" in results[0], results
+        assert list(mount.iterdir()) == [], list(mount.iterdir())
+    finally:
+        os.system(f"umount {mount}")
+        os.rmdir(mount)
 
 
 @pytest.mark.parametrize(("saved_world", "resumed_world"), [(2, 1), (1, 2)])

@@ -312,11 +312,20 @@ def test_parameter_offload_on_an_accelerator_equals_training_on_it(
     zdev_pool, case, world, tmp_path
 ):
     results = zdev_pool(world).run(_param_pair, case, str(tmp_path), timeout=240)
-    _, _, param_kind, _, _, prefetch, edit = PARAM_CASES[case]
+    _, dtype, param_kind, optim_kind, _, prefetch, edit = PARAM_CASES[case]
+    # Where the estimator foresees the shards (parameter offload alone: max_in_cpu 0).
+    offload = {"device": param_kind, "nvme_path": "/x", "max_in_cpu": 0}
+    config = Zero3Config(param_persistence_threshold=0, param_dtype=dtype, offload_param=offload)
+    estimate = estimate_model_states(build("gpt_tied")[0], world, config=config, device="cuda")
+    foreseen = estimate.host_bytes if param_kind == "cpu" else estimate.nvme_bytes
     for result in results:
         assert result["diffs"] == [0] * STEPS, result
         assert result["gathers"] > 0, result
         assert result["reductions"] > 0 or world == 1, result
+        if optim_kind is None:  # the shards are where the estimate put them
+            moved = result["host_param"] if param_kind == "cpu" else result["nvme_param"]
+            assert moved == foreseen > 0, (result, estimate)
+            assert result["device_param"] == estimate.param_bytes == 0, (result, estimate)
         if param_kind == "cpu":  # every shard (none persistent) in host memory
             assert result["held"] == ["cpu"] and result["host_param"] > 0, result
             assert result["device_param"] == 0 and not result["swap"], result

@@ -586,15 +586,18 @@ def _take_snapshot(
     snapshot: DiskSnapshot | None = None
     taken: dict[tuple[str, ...], DeferredTensor] = {}
     error: BaseException | None = None
+    need = sum(e.placeholder.numel() * e.placeholder.element_size() for e in later.values())
     try:
         if later:
             snapshot = DiskSnapshot(directory)
+            free = shutil.disk_usage(directory).free
+            if free < need:  # refused before anything is written
+                raise OSError(errno.ENOSPC, f"{free} bytes free", str(directory))
             taken = dict(snapshot.take(later))
     except Exception as exc:  # a full disk, or a swap file that cannot be read back
         if snapshot is not None:
             snapshot.close()
             snapshot = None
-        need = sum(e.placeholder.numel() * e.placeholder.element_size() for e in later.values())
         full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
         error = CheckpointError(
             f"cannot save checkpoint {target}: rank {rank} could not copy its offloaded "

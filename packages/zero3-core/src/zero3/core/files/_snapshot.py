@@ -48,7 +48,8 @@ class SnapshotEntry:
 
 
 class DiskSnapshot:
-    """One file under ``directory`` (created; removed with it by :meth:`close`) holding
+    """One file under ``directory`` (created, parents too; removed with it by
+    :meth:`close`) holding
     the values of deferred entries at the time :meth:`take` copied them.
     """
 
@@ -56,7 +57,7 @@ class DiskSnapshot:
         self.directory = directory
         self.path = directory / "values.bin"
         self.nbytes = 0
-        directory.mkdir()
+        directory.mkdir(parents=True)  # the checkpoint's parent may not exist yet
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
