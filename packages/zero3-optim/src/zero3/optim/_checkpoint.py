@@ -149,7 +149,12 @@ def save_checkpoint(
         later.update({(_L.optim, *k): v for k, v in optim_deferred.items()})
     writer = CheckpointStorageWriter(staging, file_per_item=bool(later))
     if not async_save:
-        _write(sd, writer, CheckpointSavePlanner(later), group, target)
+        planner = CheckpointSavePlanner(later)
+        with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
+            dcp_save(
+                sd, storage_writer=writer, planner=planner, process_group=group,
+                no_dist=group is None,
+            )  # fmt: skip
         _publish_everywhere(group, rank, staging, target)
         return None
     # Training goes on while an async save writes: it writes a copy taken now, the
@@ -555,19 +560,6 @@ def _background() -> ThreadPoolExecutor:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3-checkpoint")
         return _executor
-
-
-def _write(
-    sd: dict[str, Any],
-    writer: CheckpointStorageWriter,
-    planner: CheckpointSavePlanner,
-    group: dist.ProcessGroup | None,
-    target: Path,
-) -> None:
-    with _failures("cannot save checkpoint", target), quiet_dcp_warnings():
-        dcp_save(
-            sd, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None
-        )
 
 
 def _take_snapshot(

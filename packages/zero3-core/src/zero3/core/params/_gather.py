@@ -240,13 +240,14 @@ class GatherHandle:
         if self._finished:
             return
         self._finished = True
-        if self._recv is None or self._work is None:  # a world of one: filled already
+        if self._world == 1:  # filled when the handle was made
             if self.read_error is not None:
                 row = [_READ_FAILED, self.module_index, self._failed, 0]
                 _raise_read_failures(self, [row], self._describe)
             for sp in self.layout.params:
                 sp.set_status(ParamStatus.AVAILABLE)
             return
+        assert self._recv is not None and self._work is not None
         self._work.wait(stream)
         recv = self._recv.view(self._world, self.layout.chunk_bytes)
         if self.verify == "now":
