@@ -191,6 +191,96 @@ def test_a_broken_swap_file_on_one_rank_fails_every_rank_alike(worker_pool, kind
     assert word in results[0] and "subgroup00000.swp" in results[0], results
 
 
+def _in_flight(root: str) -> dict[str, int]:
+    """Two records far larger than a sub-group (an embedding and a head) among small
+    ones: what the walk held at once, against its budget."""
+    comm = GlooBackend(timeout_s=30)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(2048, 64),
+        *[torch.nn.Linear(64, 64) for _ in range(6)],
+        torch.nn.Linear(64, 2048),
+    )
+    offload = {"device": "nvme", "nvme_path": root, "buffer_count": 4}
+    config = Zero3Config(param_persistence_threshold=0, sub_group_size=8192,
+                         offload_optimizer=offload)  # fmt: skip
+    shard_module(model, config, comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    store = opt.offload
+    assert store is not None
+    peaks = []
+    for step in range(3):
+        tokens = torch.randint(0, 2048, (4, 8), generator=torch.Generator().manual_seed(step))
+        model(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        peaks.append(store.stats.peak_in_flight_bytes)
+    records = sorted(slot.nbytes for slot in store.slots())
+    result = {"peak": max(peaks[1:]), "budget": store.budget_bytes(),
+              "largest": records[-1], "count": store.config.buffer_count}  # fmt: skip
+    store.close()
+    return result
+
+
+def test_the_walk_holds_a_byte_budget_not_a_count_of_records(worker_pool, tmp_path):
+    """buffer_count counts sub-groups' worth of bytes: a record larger than a sub-group
+    (an embedding, a head) takes the room of several, so the walk never holds
+    buffer_count of the largest records at once (in a world of one, that was as much as
+    the state offload moved out)."""
+    res = worker_pool(1).run(_in_flight, str(tmp_path))[0]
+    # Two moments of fp32 per element: a full sub-group's record is 8192 * 8 bytes
+    # (and the pages the largest record's segments are aligned to).
+    assert 4 * 8192 * 8 <= res["budget"] < 4 * 8192 * 8 * 1.1, res
+    assert res["largest"] > 2 * res["budget"] // 4, res  # the head: 133,120 elements
+    assert res["peak"] <= res["budget"] + res["largest"], res
+    assert res["peak"] < 2 * res["largest"], res  # never both large records at once
+
+
+def _no_memory_for_a_record(root: str) -> str:
+    """The last rank cannot allocate a record's buffer in its second step."""
+    from zero3.optim import _offload
+
+    comm = GlooBackend(timeout_s=30)
+    n, r = comm.world_size, comm.rank
+    model, make = build("gpt_tied")
+    offload = {"device": "nvme", "nvme_path": root}
+    config = Zero3Config(param_persistence_threshold=0, sub_group_size=700,
+                         offload_optimizer=offload)  # fmt: skip
+    shard_module(model, config, comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    real = _offload.AlignedBuffer
+
+    def exhausted(nbytes: int, *, pin: bool = False) -> Any:
+        raise MemoryError(f"no room for a {nbytes}-byte record buffer (test)")
+
+    try:
+        for step in range(2):
+            x = make(LOCAL * n, step)
+            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+            if step == 1 and r == n - 1:
+                _offload.AlignedBuffer = exhausted  # type: ignore[misc]
+            try:
+                opt.step()
+            except OffloadError as exc:
+                return str(exc)
+            finally:
+                _offload.AlignedBuffer = real  # type: ignore[misc]
+            opt.zero_grad()
+    finally:
+        if opt.offload is not None:
+            opt.offload.close()
+    return "no error"
+
+
+def test_no_host_memory_for_a_record_on_one_rank_fails_every_rank_alike(worker_pool, tmp_path):
+    """Out of memory while swapping is agreed like an I/O error: the rank with room
+    does not step on alone or wait in the next collective."""
+    results = worker_pool(2).run(_no_memory_for_a_record, str(tmp_path))
+    assert results[0] == results[1], results
+    assert "optimizer offload failed on rank 1" in results[0]
+    assert "no room for a" in results[0], results
+
+
 def _bad_path(root: str) -> str:
     comm = GlooBackend(timeout_s=30)
     model, _ = build("gpt_tied")

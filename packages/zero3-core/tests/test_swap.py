@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import resource
 import socket
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -30,6 +34,33 @@ def test_buffers_are_page_aligned_and_whole_pages():
     buf = AlignedBuffer(10_000)
     assert buf.nbytes == 12_288 and buf.tensor.numel() == 12_288
     assert buf.tensor.data_ptr() % 4096 == 0
+
+
+def _vm_data() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_buffers_count_against_the_data_limit_like_the_memory_they_replace():
+    """RLIMIT_DATA (the cap demos' limit) counts private writable mappings only: a
+    shared anonymous buffer would let offload's I/O buffers escape a cap that the
+    in-memory state it replaces is held to."""
+    before = _vm_data()
+    buf = AlignedBuffer(64 << 20)
+    assert _vm_data() - before >= 64 << 20
+    del buf
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_a_buffer_beyond_the_data_limit_is_a_memory_error_naming_its_size():
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (_vm_data() + (8 << 20), hard))
+    try:
+        with pytest.raises(MemoryError, match=r"256\.0 MiB host buffer.*RLIMIT_DATA.*buffer_count"):
+            AlignedBuffer(256 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def test_a_written_file_reads_back_and_is_not_in_the_page_cache(tmp_path):
@@ -104,6 +135,25 @@ def test_io_threads_return_results_and_errors_and_leave_the_stack_default_alone(
         boom.result(timeout=10)
     assert sizes[0].startswith("zero3-io")
     assert threading.stack_size() == 0  # the process default is left alone
+    pool.close()
+
+
+def test_a_finished_io_job_does_not_keep_its_buffers_alive():
+    """A write's source and a read's result go once their caller drops them: an I/O
+    thread that kept its last job until its next one held a step's last buffers (48 MiB
+    on the benchmark model) through the next forward and backward."""
+    pool = IOPool(1)
+    source = AlignedBuffer(4096)
+    source_gone = weakref.ref(source)
+    pool.submit(functools.partial(lambda buf: None, source)).result(timeout=10)
+    read = pool.submit(lambda: AlignedBuffer(4096))
+    result_gone = weakref.ref(read.result(timeout=10))
+    del source, read
+    deadline = time.monotonic() + 10  # the thread drops its job just after the result
+    while (source_gone() or result_gone()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert source_gone() is None, "the I/O thread still holds the written buffer"
+    assert result_gone() is None, "the I/O thread still holds the buffer it read"
     pool.close()
 
 

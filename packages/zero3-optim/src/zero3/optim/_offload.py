@@ -7,11 +7,12 @@ Note (how a step runs with ``offload_optimizer: nvme``):
     masters' storages are empty and the state entries are empty placeholders, so host
     memory holds none of it. ``step()`` walks the sub-groups in order: the reads of the
     next ones are queued on the I/O threads while the current one steps, and the
-    previous ones' writes run behind; at most ``buffer_count`` page-aligned buffers
-    (one record each) are in flight, and all writes are complete when ``step()``
-    returns. The first ``buffer_count`` records' reads start when the step's backward is
-    half done (a listener on the model's step), so they overlap the rest of the backward
-    instead of opening the walk with a wait, and land after the activations' peak. A
+    previous ones' writes run behind; at most ``buffer_count`` sub-groups' worth of
+    page-aligned buffers (``OffloadStore.budget_bytes()``) are in flight, and all
+    writes are complete when ``step()`` returns. The first records' reads, up to that
+    budget, start when the step's backward is half done (a listener on the model's
+    step), so they overlap the rest of the backward instead of opening the walk with a
+    wait, and land after the activations' peak. A
     record is read straight into its buffer and the tensors the wrapped optimizer knows
     (its parameters, its state) are re-pointed at it, so identity and per-parameter
     semantics are kept for any torch-style optimizer.
@@ -94,6 +95,10 @@ class OffloadStats:
         read_ahead_bytes: Of those, bytes whose read started during the backward (at
             its half).
         written_bytes: Bytes written to swap files.
+        peak_in_flight_bytes: Most bytes of record buffers held at once by the walk
+            (reads, writes and the records stepping): at most
+            ``OffloadStore.budget_bytes()`` plus one record, or a batch's records
+            plus one.
         copy_wait_s: With the model on an accelerator: seconds the host waited for
             gradient shards to reach it and for upload buffers to be free again.
         to_host_bytes: Gradient bytes copied device→host (model on an accelerator).
@@ -105,6 +110,7 @@ class OffloadStats:
     read_bytes: int = 0
     read_ahead_bytes: int = 0
     written_bytes: int = 0
+    peak_in_flight_bytes: int = 0
     copy_wait_s: float = 0.0
     to_host_bytes: int = 0
     to_device_bytes: int = 0
@@ -131,6 +137,11 @@ class Slot:
     on_disk: bool = False
     resident: bool = True
     buffer: AlignedBuffer | None = None
+
+
+#: Failures of one rank's walk that every rank raises (an I/O error, or no host memory
+#: for a record's buffer): the others must not step on, or wait in the next collective.
+_AGREED = (SwapError, MemoryError)
 
 
 @functools.cache
@@ -299,18 +310,36 @@ class OffloadStore:
         return master, state, numel
 
     def read_ahead(self) -> None:
-        """Start reading the first ``buffer_count`` offloaded records the next step walks
-        (the model's step calls this when a backward is half done).
+        """Start reading the first offloaded records the next step walks, up to
+        :meth:`budget_bytes` (the model's step calls this when a backward is half done).
         """
         if self._pool is None or self._ahead:
             return
+        budget, queued = self.budget_bytes(), 0
         for slot in self._slots.values():
-            if len(self._ahead) >= self.config.buffer_count:
+            if queued >= budget:
                 break
             if not slot.resident and slot.on_disk:
+                queued += slot.nbytes
                 self._ahead[slot.index] = self._pool.submit(
                     functools.partial(self.read_record, slot)
                 )
+
+    def budget_bytes(self) -> int:
+        """Bytes of record buffers a walk keeps in flight (reads, writes and the records
+        stepping): ``buffer_count`` records of a full sub-group (``sub_group_size``
+        elements). A parameter larger than a sub-group makes a larger record, which then
+        takes the room of several: counting records instead let a model whose largest
+        tensors exceed ``sub_group_size`` (alone, every embedding does) hold
+        ``buffer_count`` of its largest records at once, as much as the state moved out.
+        """
+        records = [s for s in self._slots.values() if s.nbytes and s.sg.numel]
+        if not records:
+            return 0
+        largest = max(records, key=lambda s: s.nbytes)  # the least padded per element
+        full = min(self._zstate.config.sub_group_size * largest.nbytes / largest.sg.numel,
+                   largest.nbytes)  # fmt: skip
+        return int(self.config.buffer_count * full)
 
     def settle_ahead(self) -> None:
         """Wait for reads started ahead and drop them: the caller reads or writes the
@@ -318,7 +347,7 @@ class OffloadStore:
         """
         ahead, self._ahead = self._ahead, {}
         for future in ahead.values():
-            with contextlib.suppress(SwapError):
+            with contextlib.suppress(*_AGREED):
                 future.result()
 
     def close(self) -> None:
@@ -483,7 +512,7 @@ class OffloadStore:
                     self._install(slot, self.read_record(slot))
                 elif not slot.resident:
                     slot.resident = True
-        except SwapError as exc:
+        except _AGREED as exc:
             error = exc
         self.agree(error)
 
@@ -499,7 +528,7 @@ class OffloadStore:
                     if slot.nbytes:
                         self.write_record(slot, buf)
                         slot.on_disk = True
-        except SwapError as exc:
+        except _AGREED as exc:
             error = exc
         self.agree(error)
 
@@ -516,17 +545,17 @@ class OffloadStore:
             for slot in self._slots.values():
                 if not slot.resident and slot.on_disk:
                     slot.file.check(slot.nbytes)
-        except SwapError as exc:
+        except _AGREED as exc:
             error = exc
         self.agree(error)  # before anything steps
         walk = _Walk(self, batches)
         try:
             walk.run(step)
-        except SwapError as exc:
+        except _AGREED as exc:
             error = exc
         try:
             walk.drain()
-        except SwapError as exc:
+        except _AGREED as exc:
             error = error or exc
         self.stats.step_s = time.perf_counter() - start
         self.agree(error)  # before anything is written back into the model
@@ -564,18 +593,22 @@ class _Walk:
         self.store = store
         self.batches = [list(b) for b in batches]
         self.order = [s for b in self.batches for sg in b if (s := store.slot(sg)) is not None]
-        widest = max((sum(store.slot(sg) is not None for sg in b) for b in self.batches), default=0)
-        self.limit = max(store.config.buffer_count, widest + 1)
+        # In bytes. A read is queued while the bytes in flight are below the limit (so
+        # one record may overshoot it), or when no I/O is in flight at all: the records
+        # of a batch being stepped may fill the limit alone, and the walk must go on.
+        self.limit = store.budget_bytes()
         # The reads the backward started (the first records of this same order).
         self.reads: dict[int, Future[AlignedBuffer]] = store._ahead
         store._ahead = {}
-        self.writes: collections.deque[Future[None]] = collections.deque()
-        self.stepping = 0
+        self.writes: collections.deque[tuple[Future[None], int]] = collections.deque()
+        self.reading = 0  # bytes of the reads in flight
+        self.stepping = 0  # bytes of the records swapped in for the batch stepping
         self.next = 0  # the next position in ``order`` whose read may be queued
         for position, slot in enumerate(self.order):
             if slot.index in self.reads:  # a prefix of the eligible slots: queue after it
                 store.stats.read_bytes += slot.nbytes
                 store.stats.read_ahead_bytes += slot.nbytes
+                self.reading += slot.nbytes
                 self.next = position + 1
 
     def _wait(self, future: Future[Any]) -> Any:
@@ -586,33 +619,43 @@ class _Walk:
             self.store.stats.io_wait_s += time.perf_counter() - begin
 
     def _used(self) -> int:
-        return len(self.reads) + len(self.writes) + self.stepping
+        used = self.reading + sum(n for _, n in self.writes) + self.stepping
+        stats = self.store.stats
+        stats.peak_in_flight_bytes = max(stats.peak_in_flight_bytes, used)
+        return used
 
     def _reap(self, *, block: bool) -> None:
-        while self.writes and (self.writes[0].done() or (block and self._used() >= self.limit)):
-            self._wait(self.writes.popleft())
+        while self.writes and (self.writes[0][0].done() or (block and self._used() >= self.limit)):
+            self._wait(self.writes.popleft()[0])
 
     def _fill(self) -> None:
         pool = self.store._pool
         assert pool is not None
-        while self.next < len(self.order) and self._used() < self.limit:
+        while self.next < len(self.order) and (
+            self._used() < self.limit or not (self.reading or self.writes)
+        ):
             slot = self.order[self.next]
             self.next += 1
             if not slot.resident and slot.on_disk and slot.index not in self.reads:
                 self.reads[slot.index] = pool.submit(
                     functools.partial(self.store.read_record, slot)
                 )
+                self.reading += slot.nbytes
                 self.store.stats.read_bytes += slot.nbytes
 
-    def _swap_in(self, slot: Slot) -> None:
+    def _swap_in(self, slot: Slot) -> int:
+        """Make ``slot``'s record resident; returns the bytes it counts while stepping."""
         while slot.index not in self.reads and not slot.resident and slot.on_disk:
             self._reap(block=True)
             self._fill()
         future = self.reads.pop(slot.index, None)
         if future is not None:
+            self.reading -= slot.nbytes
             self.store._install(slot, self._wait(future))
         slot.resident = True
-        self.stepping += 1
+        self.stepping += slot.nbytes
+        self._used()  # counts the peak
+        return slot.nbytes
 
     def run(self, step: StepBatch) -> None:
         store, pool = self.store, self.store._pool
@@ -620,18 +663,16 @@ class _Walk:
         self._fill()
         for batch in self.batches:
             slots = [s for sg in batch if (s := store.slot(sg)) is not None]
-            for slot in slots:
-                self._swap_in(slot)
+            counted = [self._swap_in(slot) for slot in slots]
             step(batch)
-            for slot in slots:
+            for slot, nbytes in zip(slots, counted, strict=True):
                 if not store.host_stepped:  # else the step has queued the shards' uploads
                     store._commit_shards(slot)
-                buf = store._pack(slot)
-                self.stepping -= 1
+                buf = store._pack(slot)  # the record may have grown (state made by the step)
+                self.stepping -= nbytes
                 if slot.nbytes:
-                    self.writes.append(
-                        pool.submit(functools.partial(store.write_record, slot, buf))
-                    )
+                    write = pool.submit(functools.partial(store.write_record, slot, buf))
+                    self.writes.append((write, slot.nbytes))
                     store.stats.written_bytes += slot.nbytes
                     slot.on_disk = True
             self._reap(block=False)
@@ -640,13 +681,15 @@ class _Walk:
     def drain(self) -> None:
         """Wait for every read and write still in flight (re-raising the first error)."""
         first: BaseException | None = None
-        for future in [*self.reads.values(), *self.writes]:
+        futures: list[Future[Any]] = [*self.reads.values(), *(w for w, _ in self.writes)]
+        for future in futures:
             try:
-                self._wait(future)  # type: ignore[arg-type]
+                self._wait(future)
             except BaseException as exc:
                 first = first or exc
         self.reads.clear()
         self.writes.clear()
+        self.reading = 0
         if first is not None:
             raise first
 

@@ -70,8 +70,10 @@ class OffloadOptimizerConfig:
             sections may share it: each rank of each run gets its own files.
         pin_memory: Page-lock the host buffers (faster device copies). Only possible with
             an accelerator; without one it is a no-op, logged once.
-        buffer_count: Host buffers of one sub-group's state in flight at once (``nvme``):
-            the read-ahead plus write-behind depth; at least 2 (one stepping, one in I/O).
+        buffer_count: Host buffer bytes in flight at once (``nvme``), in records of a
+            full sub-group (``sub_group_size`` elements; a larger parameter's record
+            counts as several): the read-ahead plus write-behind depth; at least 2 (one
+            stepping, one in I/O).
         ratio: Fraction of the sub-groups offloaded (the first ones); the rest stay where
             the parameters are, as in DeepSpeed's partial offload.
     """

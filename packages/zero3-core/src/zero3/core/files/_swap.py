@@ -4,11 +4,13 @@ Note (why this shape):
     The page cache makes offload to disk look free: a buffered write lands in host
     memory that neither RSS nor ``RLIMIT_DATA`` counts, and a re-read comes from there.
     Swap files are therefore opened with ``O_DIRECT`` where the filesystem allows it,
-    which needs page-aligned buffers, offsets and lengths: buffers are anonymous
-    ``mmap`` regions (page-aligned, returned to the system when dropped, unlike small
-    ``malloc`` blocks that glibc keeps), and every length is rounded up to a page. Where
-    ``O_DIRECT`` is refused the file is written buffered and its pages are dropped from
-    the cache after each write (``posix_fadvise(DONTNEED)``). :func:`resident_pages`
+    which needs page-aligned buffers, offsets and lengths: buffers are private
+    anonymous ``mmap`` regions (page-aligned, returned to the system when dropped,
+    unlike small ``malloc`` blocks that glibc keeps; private, so that ``RLIMIT_DATA``
+    counts them as it counts the memory they replace: Python's default mapping is
+    shared, which that limit does not count), and every length is rounded up to a
+    page. Where ``O_DIRECT`` is refused the file is written buffered and its pages are
+    dropped from the cache after each write (``posix_fadvise(DONTNEED)``). :func:`resident_pages`
     (``mincore``) says how much of a file the cache holds.
 
     The reads and writes run on a few threads of their own (:class:`IOPool`), created
@@ -67,6 +69,10 @@ def round_up(nbytes: int, to: int = PAGE) -> int:
 class AlignedBuffer:
     """A page-aligned host buffer of ``nbytes`` (rounded up to a page).
 
+    Raises:
+        MemoryError: The host memory or the process's data limit cannot hold it
+            (naming its size and the knobs that shrink it).
+
     Attributes:
         nbytes: Its size in bytes (a multiple of the page size).
         tensor: A ``uint8`` tensor over the whole buffer (no copy).
@@ -82,7 +88,15 @@ class AlignedBuffer:
             skip = (-raw.data_ptr()) % PAGE
             self.tensor = raw[skip : skip + self.nbytes]
         else:
-            self._map = mmap.mmap(-1, self.nbytes)
+            try:
+                self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError as exc:  # ENOMEM: host RAM, or the data limit (RLIMIT_DATA)
+                raise MemoryError(
+                    f"zero3: cannot allocate a {self.nbytes / 2**20:.1f} MiB host buffer for "
+                    f"offload I/O ({exc.strerror}): host memory or the process's data "
+                    "limit (RLIMIT_DATA) is used up; lower offload_optimizer.buffer_count "
+                    "or sub_group_size (smaller records), or offload_param.buffer_count"
+                ) from exc
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
@@ -219,12 +233,19 @@ class IOPool:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            fn, future = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to whoever waits
-                    future.set_exception(exc)
+            self._execute(*item)
+            # A finished job must not outlive its call: its buffer (a write's source, a
+            # read's result) would stay in memory until this thread's next job, through
+            # the next forward and backward when the job was a step's last.
+            del item
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], future: Future[Any]) -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits
+                future.set_exception(exc)
 
     def submit(self, fn: Callable[[], _T]) -> Future[_T]:
         """Run ``fn`` on an I/O thread; its result or error comes back in the future."""
