@@ -380,14 +380,15 @@ class ParamSwap:
 
     def _read_in(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s shard read back into a host buffer (taking a read already under way;
-        the host waits for it). Raises :class:`ShardReadError` naming the file.
+        the host waits for it). Raises :class:`ShardReadError` naming the file, or the
+        host buffer that could not be allocated.
         """
         future = self._reads.pop(sp.index, None)
         try:
             if future is None:
                 future = self._submit_read(sp)
             buf = self._wait(future)
-        except SwapError as exc:
+        except (SwapError, MemoryError) as exc:  # no room for the read buffer: agreed too
             raise ShardReadError(
                 f"zero3: offload_param: cannot read the shard of parameter {sp.name!r} back: {exc}"
             ) from exc

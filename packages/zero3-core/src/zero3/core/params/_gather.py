@@ -322,8 +322,9 @@ def _raise_read_failures(
         f"zero3: offload_param: {what} could not read its parameter shard back from its "
         f"swap file for the gather of module {describe(handle.module_index)!r} (step "
         f"{handle.step}); every rank stops at this gather, nothing was computed with the "
-        f"missing values.{own} The failing rank's error names the file: check the disk "
-        "under offload_param.nvme_path (a removed, truncated or unreadable swap file)."
+        f"missing values.{own} The failing rank's error names the file or the buffer: "
+        "check the disk under offload_param.nvme_path (a removed, truncated or unreadable "
+        "swap file) or that rank's free host memory (no room for the read buffer)."
     ) from handle.read_error
 
 
