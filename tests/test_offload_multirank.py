@@ -154,7 +154,12 @@ def test_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_path):
 
 
 def _fault(kind: str, root: str) -> str:
-    """Break one rank's swap file after a good step; return the error of the next step."""
+    """Break the last rank's optimizer offload after a good step (its first swap file
+    ``"truncated"`` or ``"removed"``, or ``"no-memory"`` for record buffers); return the
+    error of the next step.
+    """
+    from zero3.optim import _offload
+
     comm = GlooBackend(timeout_s=30)
     n, r = comm.world_size, comm.rank
     model, make = build("gpt_tied")
@@ -165,20 +170,32 @@ def _fault(kind: str, root: str) -> str:
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     store = opt.offload
     assert store is not None
-    for step in range(2):
-        if step == 1 and r == n - 1:
-            victim = store.files[0]
-            if kind == "truncated":
-                os.truncate(victim, 4096)
-            else:
-                victim.unlink()
-        x = make(LOCAL * n, step)
-        loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
-        try:
-            opt.step()
-        except OffloadError as exc:
-            return str(exc)
-        opt.zero_grad()
+    real = _offload.AlignedBuffer
+
+    def exhausted(nbytes: int, *, pin: bool = False) -> Any:
+        raise MemoryError(f"no room for a {nbytes}-byte record buffer (test)")
+
+    try:
+        for step in range(2):
+            if step == 1 and r == n - 1:
+                victim = store.files[0]
+                if kind == "truncated":
+                    os.truncate(victim, 4096)
+                elif kind == "removed":
+                    victim.unlink()
+                else:
+                    _offload.AlignedBuffer = exhausted  # type: ignore[misc]
+            x = make(LOCAL * n, step)
+            try:
+                loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
+                opt.step()
+            except OffloadError as exc:
+                return str(exc)
+            finally:
+                _offload.AlignedBuffer = real  # type: ignore[misc]
+            opt.zero_grad()
+    finally:
+        store.close()
     return "no error"
 
 
@@ -236,46 +253,10 @@ def test_the_walk_holds_a_byte_budget_not_a_count_of_records(worker_pool, tmp_pa
     assert res["peak"] < 2 * res["largest"], res  # never both large records at once
 
 
-def _no_memory_for_a_record(root: str) -> str:
-    """The last rank cannot allocate a record's buffer in its second step."""
-    from zero3.optim import _offload
-
-    comm = GlooBackend(timeout_s=30)
-    n, r = comm.world_size, comm.rank
-    model, make = build("gpt_tied")
-    offload = {"device": "nvme", "nvme_path": root}
-    config = Zero3Config(param_persistence_threshold=0, sub_group_size=700,
-                         offload_optimizer=offload)  # fmt: skip
-    shard_module(model, config, comm=comm)
-    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    real = _offload.AlignedBuffer
-
-    def exhausted(nbytes: int, *, pin: bool = False) -> Any:
-        raise MemoryError(f"no room for a {nbytes}-byte record buffer (test)")
-
-    try:
-        for step in range(2):
-            x = make(LOCAL * n, step)
-            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
-            if step == 1 and r == n - 1:
-                _offload.AlignedBuffer = exhausted  # type: ignore[misc]
-            try:
-                opt.step()
-            except OffloadError as exc:
-                return str(exc)
-            finally:
-                _offload.AlignedBuffer = real  # type: ignore[misc]
-            opt.zero_grad()
-    finally:
-        if opt.offload is not None:
-            opt.offload.close()
-    return "no error"
-
-
 def test_no_host_memory_for_a_record_on_one_rank_fails_every_rank_alike(worker_pool, tmp_path):
     """Out of memory while swapping is agreed like an I/O error: the rank with room
     does not step on alone or wait in the next collective."""
-    results = worker_pool(2).run(_no_memory_for_a_record, str(tmp_path))
+    results = worker_pool(2).run(_fault, "no-memory", str(tmp_path))
     assert results[0] == results[1], results
     assert "optimizer offload failed on rank 1" in results[0]
     assert "no room for a" in results[0], results

@@ -452,9 +452,18 @@ def test_two_param_offloaded_models_of_one_process_share_a_path(worker_pool, tmp
         assert all(r > 0 for r in reads), reads
 
 
+def _no_read_memory(swap: Any) -> None:
+    """The swap's reads find no host memory for their buffers from now on."""
+
+    def exhausted(sp: Any) -> Any:
+        raise MemoryError(f"no room for the read buffer of {sp.name} (test)")
+
+    swap._read = exhausted
+
+
 def _fault(kind: str, root: str) -> str:
-    """Break one rank's parameter swap file after a good step; return the next step's
-    error.
+    """Break one rank's parameter swap file (``"no-memory"``: its reads' buffers) after
+    a good step; return the next step's error.
     """
     comm = GlooBackend(timeout_s=30)
     n, r = comm.world_size, comm.rank
@@ -462,7 +471,10 @@ def _fault(kind: str, root: str) -> str:
     shard_module(model, _offload_config(root, False, param_persistence_threshold=0), comm=comm)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     size = 4096 if kind == "truncated" else 0
-    return step_past_a_broken_swap(model, opt, make, rank=r, world=n, local=LOCAL, size=size)
+    breaker = _no_read_memory if kind == "no-memory" else None
+    return step_past_a_broken_swap(
+        model, opt, make, rank=r, world=n, local=LOCAL, size=size, breaker=breaker
+    )
 
 
 @pytest.mark.parametrize("kind", ["truncated", "emptied"])
@@ -483,36 +495,10 @@ def test_a_broken_param_swap_file_in_a_world_of_one_raises(worker_pool, tmp_path
     assert "params.swp" in text and "short read" in text, text
 
 
-def _no_memory_for_a_read(root: str) -> str:
-    """The last rank has no host memory for a shard's read buffer in the second step."""
-    comm = GlooBackend(timeout_s=30)
-    n, r = comm.world_size, comm.rank
-    model, make = build("gpt_tied")
-    shard_module(model, _offload_config(root, False, param_persistence_threshold=0), comm=comm)
-    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    swap = sharded_state(model).param_swap
-    assert swap is not None
-    for step in range(2):
-        if step == 1 and r == n - 1:
-
-            def exhausted(sp: Any) -> Any:
-                raise MemoryError(f"no room for the read buffer of {sp.name} (test)")
-
-            swap._read = exhausted  # type: ignore[method-assign]
-        x = make(LOCAL * n, step)
-        try:
-            loss_of(model(x[r * LOCAL : (r + 1) * LOCAL])).backward()
-            opt.step()
-        except ParamOffloadError as exc:
-            return str(exc)
-        opt.zero_grad()
-    return "no error"
-
-
 def test_no_host_memory_for_a_shard_read_on_one_rank_fails_every_rank(worker_pool, tmp_path):
     """A read buffer that cannot be allocated is agreed at the gather like a broken
     file: the peer does not wait in the all-gather for a rank that raised."""
-    results = worker_pool(2).run(_no_memory_for_a_read, str(tmp_path))
+    results = worker_pool(2).run(_fault, "no-memory", str(tmp_path))
     for text in results:
         assert "rank 1" in text and "could not read its parameter shard back" in text, results
     assert "no room for the read buffer" in results[1], results

@@ -349,11 +349,13 @@ def step_past_a_broken_swap(
     rank: int,
     world: int,
     local: int,
-    size: int,
+    size: int = 0,
     device: torch.device | None = None,
+    breaker: Callable[[Any], None] | None = None,
 ) -> str:
     """Train two steps of a model whose shards ``offload_param: nvme`` keeps in a swap
-    file; before the second, the last rank's file is cut to ``size`` bytes. Returns the
+    file; before the second, the last rank's file is cut to ``size`` bytes (or
+    ``breaker`` is called with its ``ParamSwap``). Returns the
     :class:`~zero3.core.ParamOffloadError` the second step raised on this rank (every
     rank must raise), or ``"no error"``.
     """
@@ -361,7 +363,10 @@ def step_past_a_broken_swap(
     assert swap is not None, "the model keeps no parameter swap file"
     for step in range(2):
         if step == 1 and rank == world - 1:
-            os.truncate(swap.path, size)
+            if breaker is not None:
+                breaker(swap)
+            else:
+                os.truncate(swap.path, size)
         x = make(local * world, step)
         if device is not None:
             x = x.to(device)
