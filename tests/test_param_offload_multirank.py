@@ -461,9 +461,21 @@ def _no_read_memory(swap: Any) -> None:
     swap._read = exhausted
 
 
+def _no_write_memory(swap: Any) -> None:
+    """The swap's writes find no host memory for their buffers from now on."""
+
+    def exhausted(index: int, dtype: Any, values: Any) -> Any:
+        raise MemoryError(f"no room for the write buffer of shard #{index} (test)")
+
+    swap._buffer_of = exhausted
+
+
+_BREAKERS = {"no-memory": _no_read_memory, "no-write-memory": _no_write_memory}
+
+
 def _fault(kind: str, root: str) -> str:
-    """Break one rank's parameter swap file (``"no-memory"``: its reads' buffers) after
-    a good step; return the next step's error.
+    """Break one rank's parameter swap file (``"no-memory"``: its reads' buffers,
+    ``"no-write-memory"``: its writes') after a good step; return the next step's error.
     """
     comm = GlooBackend(timeout_s=30)
     n, r = comm.world_size, comm.rank
@@ -471,7 +483,7 @@ def _fault(kind: str, root: str) -> str:
     shard_module(model, _offload_config(root, False, param_persistence_threshold=0), comm=comm)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     size = 4096 if kind == "truncated" else 0
-    breaker = _no_read_memory if kind == "no-memory" else None
+    breaker = _BREAKERS.get(kind)
     return step_past_a_broken_swap(
         model, opt, make, rank=r, world=n, local=LOCAL, size=size, breaker=breaker
     )
@@ -502,6 +514,45 @@ def test_no_host_memory_for_a_shard_read_on_one_rank_fails_every_rank(worker_poo
     for text in results:
         assert "rank 1" in text and "could not read its parameter shard back" in text, results
     assert "no room for the read buffer" in results[1], results
+
+
+def test_no_host_memory_for_a_shard_write_on_one_rank_fails_every_rank(worker_pool, tmp_path):
+    """A write buffer that cannot be allocated (the optimizer step writes every stepped
+    shard) is a failed write, agreed where the step settles: every rank raises, naming
+    the parameter; the rank does not die alone in the step while its peer waits.
+    """
+    results = worker_pool(2).run(_fault, "no-write-memory", str(tmp_path))
+    for text in results:
+        assert "parameter offload failed on rank 1" in text, results
+        assert "no host memory for the" in text and "write buffer of parameter" in text, results
+
+
+def _forward_after_a_lost_write(root: str) -> list[str]:
+    """One process: a step whose shard writes find no buffer raises; a forward after it
+    (a user who caught the error) raises too instead of gathering the older values.
+    """
+    comm = GlooBackend(timeout_s=30)
+    model, make = build("gpt_tied")
+    shard_module(model, _offload_config(root, False, param_persistence_threshold=0), comm=comm)
+    opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    swap = sharded_state(model).param_swap
+    x = make(LOCAL, 0)
+    loss_of(model(x)).backward()
+    _no_write_memory(swap)
+    errors = []
+    for run in (lambda: opt.step(), lambda: model(x)):
+        try:
+            run()
+        except ParamOffloadError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_a_shard_whose_write_found_no_buffer_is_never_read_back_stale(worker_pool, tmp_path):
+    ((step, forward),) = worker_pool(1).run(_forward_after_a_lost_write, str(tmp_path))
+    assert "write buffer of parameter" in step, step
+    assert "could not read its parameter shard back" in forward, forward
+    assert "holds older values" in forward, forward
 
 
 def _shard_error(root: str, block_rank_1: bool) -> str:

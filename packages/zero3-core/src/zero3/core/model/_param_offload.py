@@ -197,6 +197,9 @@ class ParamSwap:
         self._resident: dict[int, tuple[ShardedParam, int]] = {}  # index -> (sp, version)
         self._edited: set[int] = set()
         self._write_error: BaseException | None = None
+        #: Shards whose last values found no host memory for their write buffer: the
+        #: file holds older bytes, so reading them is an error, never stale values.
+        self._unwritten: dict[int, str] = {}
         self._copies = DeviceCopies()  # read ahead onto the device (model on an accelerator)
         #: The offloaded parameters (filled by :meth:`adopt`).
         self.params: list[ShardedParam] = []
@@ -289,6 +292,9 @@ class ParamSwap:
         return buf
 
     def _submit_read(self, sp: ShardedParam) -> Future[AlignedBuffer]:
+        lost = self._unwritten.get(sp.index)
+        if lost is not None:
+            raise SwapError(lost)
         pending = self._writes.pop(sp.index, None)
         if pending is not None:  # read what was written, never the older bytes
             self._wait(pending)  # a failed write raises here: never stale values
@@ -329,8 +335,8 @@ class ParamSwap:
                 break
             if sp.home is not self or sp.resident or sp.index in self._reads:
                 continue
-            if sp.index in self._writes:  # bring_in waits for the write (and its error)
-                continue
+            if sp.index in self._writes or sp.index in self._unwritten:
+                continue  # bring_in waits for the write (and its error), or raises
             if self._copies.has(sp):
                 continue
             if sp.shard_numel > room and self._reads:
@@ -439,7 +445,21 @@ class ParamSwap:
         return buf
 
     def _queue_write(self, index: int, dtype: torch.dtype, values: torch.Tensor) -> None:
-        buf = self._buffer_of(index, dtype, values)
+        region = self._regions[index]
+        try:
+            buf: AlignedBuffer | None = self._buffer_of(index, dtype, values)
+        except MemoryError as exc:
+            # Raising here would stop this rank alone (mid-step, or in a hook) while its
+            # peers wait in a collective: it is a failed write instead, which every rank
+            # raises where the step settles its writes.
+            buf = None
+            name = next((repr(sp.name) for sp in self.params if sp.index == index), f"#{index}")
+            lost = (
+                f"no host memory for the {region.nbytes}-byte write buffer of parameter "
+                f"{name}'s shard, so {self.path} holds older values of it ({exc})"
+            )
+            self._unwritten[index] = lost
+            self._write_error = self._write_error or SwapError(lost)
         self._copies.let_go(index)  # it holds the older values
         stale = self._reads.pop(index, None)
         if stale is not None:  # a read ahead of older bytes: let it finish, drop it
@@ -447,7 +467,9 @@ class ParamSwap:
         pending = self._writes.pop(index, None)
         if pending is not None:
             self._wait_quietly(pending)
-        region = self._regions[index]
+        if buf is None:
+            return
+        self._unwritten.pop(index, None)
         self._writes[index] = self._pool.submit(functools.partial(self._write, region, buf))
         self.stats.written_bytes += region.nbytes
         # At most buffer_count writes (and their buffers) in flight: an optimizer step
