@@ -10,7 +10,7 @@ Note (why the model class, not transformers' flags):
 Note (votes):
     Where forwards gather (a block that keeps only part of the model), a rank that is
     done must keep running them with its peers, so the ranks vote after each token
-    (``ShardedModelState.all_finished``). In a block that keeps every parameter,
+    (``ShardedModelState.votes``). In a block that keeps every parameter,
     forwards issue no collective: each rank stops alone and they meet at its exit.
 """
 
@@ -74,7 +74,7 @@ class ShardedGeneration(ShardedModule):
         else:
             with unsharded(self, max_bytes=window_bytes(state)):  # type: ignore[arg-type]
                 out = parent.generate(*args, **kwargs)
-        state.settle_votes()  # nothing of zero3's left in flight
+        state.votes.settle()  # nothing of zero3's left in flight
         return out
 
     def _has_unfinished_sequences(
@@ -90,7 +90,7 @@ class ShardedGeneration(ShardedModule):
         plan = state.unsharded_plan
         if plan is not None and plan.complete:
             return not this_peer_finished  # forwards issue no collective: each rank stops alone
-        return not state.all_finished(bool(this_peer_finished))
+        return not state.votes.all_finished(bool(this_peer_finished))
 
 
 def _synced(

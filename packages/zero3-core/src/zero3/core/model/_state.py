@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from zero3.core.model._partition import new_sharded_param, open_shard_home
 from zero3.core.model._step import TrainingStep
 from zero3.core.model._sync import ModelSync, check_same_model, describe_model, whole
 from zero3.core.model._unshard import UnshardedPlan, chunks, plan_unsharded
+from zero3.core.model._votes import StopVotes
 from zero3.core.params import _params
 from zero3.core.params._broadcast import broadcast_from_rank0
 from zero3.core.params._coordinator import GATHERED_PARAMETERS, UNSHARDED, ParamCoordinator
@@ -54,9 +55,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("zero3.core")
-
-#: generate's votes a rank still generating may leave in flight (see all_finished).
-_VOTES_IN_FLIGHT = 4
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardedModelState] = weakref.WeakKeyDictionary()
 _PARAM_STATE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -155,7 +153,8 @@ class ShardedModelState:
         self.coordinator.shard_home = swap if swap is not None else self.host_shards
         # Parameter index -> the optimizer stepping it (each parameter at most one).
         self._optimizer_of: dict[int, object] = {}
-        self._ballots: list[Callable[[], bool]] = []  # generate's votes left in flight
+        #: ``generate``'s stopping votes across ranks.
+        self.votes = StopVotes(comm, self.guard, self.step, self.stats)
         #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
         self.unsharded_blocks = 0
         #: The plan of the ``unsharded`` block open now, if any.
@@ -465,49 +464,6 @@ class ShardedModelState:
         finally:
             self.unpin(pinned)
             self.step.exit_unsharded()
-
-    def all_finished(self, done: bool) -> bool:
-        """Whether every rank is ``done``: ``generate``'s stopping vote, a collective every
-        rank casts once per decoding step.
-
-        Note (votes left in flight):
-            A rank still generating knows the answer ("no"): it casts its vote and
-            returns, leaving up to ``_VOTES_IN_FLIGHT`` in flight; a rank that is done
-            waits for all of its votes. The answer is "yes" only when every rank voted
-            done, and then every rank waited for that vote, so all decide alike.
-        """
-        if self.comm.world_size == 1:
-            return done
-        ballot = self._cast_vote(done)
-        self.stats.current.other_collectives += 1
-        if not done:
-            self._ballots.append(ballot)
-            while len(self._ballots) > _VOTES_IN_FLIGHT:
-                self._ballots.pop(0)()
-            return False
-        self.settle_votes()
-        return ballot()
-
-    def settle_votes(self) -> None:
-        """Wait for (and check) the votes :meth:`all_finished` left in flight."""
-        ballots, self._ballots = self._ballots, []
-        for ballot in ballots:
-            ballot()
-
-    def _cast_vote(self, done: bool) -> Callable[[], bool]:
-        if self.guard.active:
-            op = Op(OpKind.VOTE, self.step.number, int(self.step.moment().phase))
-            ballot = self.guard.cast(op, int(done))
-            return lambda: all(ballot.result())
-        flag = torch.tensor([1.0 if done else 0.0], device=self.comm.device())
-        work = self.comm.all_reduce(flag, op=ReduceOp.SUM)
-
-        def result() -> bool:
-            with waiting_for(lambda: f"rank {self.comm.rank} timed out in generate's vote"):
-                work.wait()
-            return float(flag.item()) == self.comm.world_size
-
-        return result
 
     def add_external(self, module: nn.Module, sp: ShardedParam) -> None:
         """``module``'s forward uses ``sp``, which it does not own: gather it with it."""
