@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,11 @@ def test_offload_flags_swap_the_optimizer_state_and_the_shards_to_files(tmp_path
     assert line and f"{swap}" in line[0] and "I/O wait" in line[0], result.stdout
     assert "started during the backward" in line[0], result.stdout
     assert "read 0.0 MiB" not in line[0]  # state really moved
+    # The walk's record buffers stayed within buffer_count's byte budget.
+    held = re.search(
+        r"record buffers at most ([\d.]+) MiB at once \(budget ([\d.]+) MiB\)", line[0]
+    )
+    assert held and 0 < float(held[1]) <= float(held[2]), line[0]
     line = [x for x in result.stdout.splitlines() if x.startswith("parameter offload (nvme")]
     assert line and "of shards in the swap file" in line[0], result.stdout
     assert "read ahead of its gather" in line[0] and "read 0.0 MiB" not in line[0], line

@@ -56,6 +56,8 @@ METRICS = [
     "copy_wait",
     "to_host",
     "to_device",
+    "swap_in_flight",
+    "swap_budget",
 ]
 
 
@@ -102,6 +104,8 @@ def rank_metrics(
         memory.nvme_param_bytes,
         *(statistics.median(getattr(w, f) for w in swaps) if swaps else 0.0
           for f in ("copy_wait_s", "to_host_bytes", "to_device_bytes")),
+        max((w.peak_in_flight_bytes for w in swaps), default=0),
+        opt.offload.budget_bytes() if opt.offload is not None and swaps else 0,
     ]  # fmt: skip
     return torch.tensor(values, dtype=torch.float64)
 
@@ -323,7 +327,9 @@ def _offload_line(config: Zero3Config, per_rank: list[dict[str, float]]) -> str:
         f"sub-group walk {worst['swap_walk']:.3f} s (the rest is stepping overlapped with "
         f"I/O) in a step of {worst['step_time']:.3f} s; read {_mb(worst['swap_read'])} "
         f"({_mb(worst['swap_read_ahead'])} of it started during the backward), "
-        f"written {_mb(worst['swap_written'])}{copies}"
+        f"written {_mb(worst['swap_written'])}; record buffers at most "
+        f"{_mb(worst['swap_in_flight'])} at once (budget {_mb(worst['swap_budget'])})"
+        f"{copies}"
     )
 
 
