@@ -81,6 +81,7 @@ def test_offload_flags_swap_the_optimizer_state_and_the_shards_to_files(tmp_path
     line = [x for x in result.stdout.splitlines() if x.startswith("parameter offload (nvme")]
     assert line and "of shards in the swap file" in line[0], result.stdout
     assert "read ahead of its gather" in line[0] and "read 0.0 MiB" not in line[0], line
+    assert "host heap: its free pages handed back" in result.stdout  # auto with nvme
     assert list(swap.iterdir()) == []  # every rank's files removed at exit
     bad = _run(["--offload-optimizer", "disk", *TINY], tmp_path)
     assert bad.returncode != 0 and "--offload-optimizer must be cpu, nvme:DIR or none" in (

@@ -7,6 +7,7 @@
     ./dev run python tools/memory.py cap                 # RLIMIT_DATA: zero3 trains, DDP not
     ./dev run python tools/memory.py largest --cap-mib 600   # the largest GPT under a cap
     ./dev run python tools/memory.py offload             # offload's peaks vs in-memory zero3
+    ./dev run python tools/memory.py offload --untrimmed # + each with the heap kept
     ./dev run python tools/memory.py checkpoint          # save, async save, load, consolidate
 
 Every figure is the growth of a rank's peak resident set (the kernel's high-water mark,
@@ -545,18 +546,26 @@ def largest(
 
 #: What `offload` compares: in-memory zero3, then each offload (tools/bench.py systems).
 OFFLOAD_SYSTEMS = ("zero3", "zero3-offload-nvme", "zero3-offload-both")
+#: With ``--untrimmed``: each offload again with ``trim_host_heap=False``.
+UNTRIMMED_SYSTEMS = ("zero3-offload-nvme-untrimmed", "zero3-offload-both-untrimmed")
 #: glibc's mmap threshold pinned at 128 KiB (freed large blocks go back to the kernel).
 PINNED = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def offload(world: int, layers: int, repeats: int, mallocs: list[str], timeout: float) -> bool:
+def offload(
+    world: int, layers: int, repeats: int, mallocs: list[str], timeout: float,
+    untrimmed: bool = False,
+) -> bool:  # fmt: skip
     """Peak RSS growth per rank of in-memory zero3 and of each offload, ``repeats`` runs
     each (interleaved), under each allocator setting: against the target that each
     offload's peak is below the in-memory peak by at least 80% of the model state it
     moves out of memory (``memory_stats`` after the backward: held bytes of in-memory
     zero3 minus the offload's). Medians of the runs; checked with the threshold pinned.
+    ``untrimmed`` adds each offload with ``trim_host_heap=False`` (not checked).
     """
     import bench
+
+    systems = OFFLOAD_SYSTEMS + (UNTRIMMED_SYSTEMS if untrimmed else ())
 
     print(f"world {world}, the benchmark GPT at {layers} layers, fp32 AdamW, batch 4 x "
           f"seq 256 per rank; {repeats} runs of 6 steps per system and allocator setting; "
@@ -572,9 +581,9 @@ def offload(world: int, layers: int, repeats: int, mallocs: list[str], timeout: 
         if malloc == "pinned":
             os.environ.update(PINNED)
         try:
-            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in OFFLOAD_SYSTEMS}
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
             for _ in range(repeats):
-                for system in OFFLOAD_SYSTEMS:
+                for system in systems:
                     runs[system].append(bench.launch(system, world, args))
         finally:
             for key, value in saved.items():
@@ -587,12 +596,12 @@ def offload(world: int, layers: int, repeats: int, mallocs: list[str], timeout: 
         }
         held = {s: statistics.median(r["held"] for r in rs) for s, rs in runs.items()}
         base = statistics.median(growth["zero3"])
-        for system in OFFLOAD_SYSTEMS:
+        for system in systems:
             median = statistics.median(growth[system])
             moved = held["zero3"] - held[system]
             target = base - 0.8 * moved
             met = "-" if system == "zero3" else ("yes" if median <= target else "**no**")
-            if malloc == "pinned" and system != "zero3":
+            if malloc == "pinned" and system in OFFLOAD_SYSTEMS[1:]:
                 ok &= median <= target
             each = ", ".join(f"{g / MiB:.0f}" for g in growth[system])
             goal = "-" if system == "zero3" else f"{target / MiB:.0f}"
@@ -707,6 +716,10 @@ def main() -> int:
         "--mallocs", default="pinned,glibc",
         help="allocator settings `offload` runs: pinned (threshold at 128 KiB), glibc",
     )  # fmt: skip
+    p.add_argument(
+        "--untrimmed", action="store_true",
+        help="`offload`: also each offload with trim_host_heap=False (the heap kept)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -736,7 +749,7 @@ def main() -> int:
         if unknown:
             p.error(f"--mallocs: unknown {unknown}; choose from pinned, glibc")
         world = (worlds or [2])[0]
-        ok = offload(world, args.layers, args.repeats, mallocs, args.timeout)
+        ok = offload(world, args.layers, args.repeats, mallocs, args.timeout, args.untrimmed)
     else:
         phases = args.ckpt_phases.split(",")
         unknown = sorted(set(phases) - set(PHASES))

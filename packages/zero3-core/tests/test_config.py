@@ -67,12 +67,25 @@ def test_frozen():
         ({"leaf_modules": ("",)}, "leaf_modules entries must be nn.Module subclasses"),
         ({"leaf_modules": 3}, "leaf_modules must be a tuple"),
         ({"extras": [1]}, "extras must be a mapping"),
+        ({"trim_host_heap": "yes"}, "trim_host_heap must be true or false"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match) as caught:
         Zero3Config(**kwargs)
     assert f"Zero3Config.{next(iter(kwargs))}" in str(caught.value)
+
+
+def test_the_host_heap_is_trimmed_by_default_only_when_offloading_to_disk():
+    nvme = {"device": "nvme", "nvme_path": "/tmp/swap"}
+    assert not Zero3Config().trims_host_heap
+    assert not Zero3Config(offload_optimizer={"device": "cpu"}).trims_host_heap
+    assert Zero3Config(offload_optimizer=nvme).trims_host_heap
+    assert Zero3Config(offload_param=nvme).trims_host_heap
+    assert not Zero3Config(offload_optimizer={**nvme, "ratio": 0.0}).trims_host_heap
+    assert not Zero3Config(offload_optimizer=nvme, trim_host_heap=False).trims_host_heap
+    assert Zero3Config(trim_host_heap=True).trims_host_heap
+    assert Zero3Config().trim_host_heap is None  # auto stays auto under replace()
 
 
 def test_normalizes_values():

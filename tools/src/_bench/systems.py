@@ -251,6 +251,23 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
         offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
         offload_param={"device": "nvme", "nvme_path": swap_dir(), "max_in_cpu": 0},
     ),
+    # The same two with the host heap kept at each step (trim_host_heap off;
+    # nvme offload trims it by default): what glibc's kept heap costs the offloads.
+    "zero3-offload-nvme-untrimmed": lambda w, r, n: _zero3(
+        w,
+        r,
+        n,
+        offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
+        trim_host_heap=False,
+    ),
+    "zero3-offload-both-untrimmed": lambda w, r, n: _zero3(
+        w,
+        r,
+        n,
+        offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
+        offload_param={"device": "nvme", "nvme_path": swap_dir(), "max_in_cpu": 0},
+        trim_host_heap=False,
+    ),
     "zero3-keep-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="keep"),
     "zero3-replicate-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="replicate"),
     "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),

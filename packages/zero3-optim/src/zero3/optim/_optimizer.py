@@ -419,6 +419,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         start = tracer.now_us() if tracer is not None else 0.0
         if self._offload is not None:
             self._offload.stats = OffloadStats()  # this step's (none if it is skipped)
+        self._zstate.trim_host_heap()
         try:
             # Edits made to whole parameters since the last step reach the masters first.
             self._zstate.synchronize()

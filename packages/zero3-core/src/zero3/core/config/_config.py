@@ -144,6 +144,15 @@ class Zero3Config:
         offload_param: Where parameter shards live
             (:class:`~zero3.core.OffloadParamConfig`).
         aio: How swap files are read and written (:class:`~zero3.core.AioConfig`).
+        trim_host_heap: When each optimizer step begins (the backward's activations
+            are free) and when it ends, hand the host heap's free pages back to the
+            kernel (glibc's ``malloc_trim``; nothing with another C library). glibc
+            otherwise keeps the heap a step's activations grew to, and what offload
+            moves out of memory is refilled by that heap rather than returned.
+            None (auto): on when either offload section uses ``"nvme"`` (a user who
+            swaps to disk asks for host memory over speed), off otherwise.
+            The next step pages the memory it touches in again (page faults; see the
+            Offload guide's measurements). Not a DeepSpeed field.
         extras: Read-only mapping of settings zero3 does not act on, kept for the
             training loop: the DeepSpeed keys :meth:`from_deepspeed` leaves to it (batch
             sizes, optimizer, scheduler, offload...) by dotted name (``"optimizer"``,
@@ -178,6 +187,7 @@ class Zero3Config:
     )
     offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
+    trim_host_heap: bool | None = None
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -202,6 +212,8 @@ class Zero3Config:
             self._set(name, check_int(f"Zero3Config.{name}", getattr(self, name), minimum=1))
         for name in ("contiguous_gradients", "overlap_comm", "sync_module_states"):
             check_bool(f"Zero3Config.{name}", getattr(self, name))
+        if self.trim_host_heap is not None:
+            check_bool("Zero3Config.trim_host_heap", self.trim_host_heap)
         if not isinstance(self.backend, str) or not self.backend:
             raise TypeError(f"Zero3Config.backend must be a backend name, got {self.backend!r}")
         self._set("leaf_modules", check_leaf_targets("Zero3Config.leaf_modules", self.leaf_modules))
@@ -255,6 +267,16 @@ class Zero3Config:
                 "sub_group_size to choose)",
                 f"{OFFLOAD_SUB_GROUP_SIZE:,}",
             )
+
+    @property
+    def trims_host_heap(self) -> bool:
+        """Whether each optimizer step begins and ends by trimming the host heap
+        (:attr:`trim_host_heap`, with auto resolved).
+        """
+        if self.trim_host_heap is not None:
+            return self.trim_host_heap
+        optimizer, param = self.offload_optimizer, self.offload_param
+        return (optimizer.enabled and optimizer.device == "nvme") or param.device == "nvme"
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)

@@ -38,7 +38,6 @@ Note (freed temporaries stay resident):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -53,6 +52,7 @@ from zero3.comm import CommBackend
 from zero3.core.config._config import Zero3Config, is_persistent
 from zero3.core.construct._empty import SkipMetaFills
 from zero3.core.construct._sources import WeightSource, open_weight_source
+from zero3.core.diag._memory import trim_heap
 from zero3.core.params._broadcast import broadcast_from_rank0
 from zero3.core.params._params import METADATA_OPS, dress_released
 
@@ -76,22 +76,6 @@ def own_storage(param: torch.Tensor) -> None:
         or param.untyped_storage().nbytes() != exact
     ):
         param.data = param.data.clone(memory_format=torch.contiguous_format)
-
-
-_LIBC: Any = None
-
-
-def trim_heap() -> None:
-    """Hand freed heap pages back to the kernel (glibc's ``malloc_trim``; else nothing)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
 
 
 def checksum(tensor: torch.Tensor) -> tuple[int, int]:

@@ -13,10 +13,12 @@ peak resident set (also reported) holds those on top.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -31,6 +33,7 @@ __all__ = [
     "peak_rss_bytes",
     "storage_bytes",
     "storages",
+    "trim_heap",
 ]
 
 #: fp32 state values per parameter element of common optimizers.
@@ -58,6 +61,32 @@ def peak_rss_bytes() -> int:
                 return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    except (OSError, AttributeError):
+        return None  # not glibc (musl, macOS): freed memory is the allocator's business
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def trim_heap() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim(0)``).
+
+    glibc keeps freed blocks below its mmap threshold resident, and the threshold rises
+    to the size of each large block freed, so after a step the activations' memory is
+    still in the resident set (docs/facts.rst, "glibc's mmap threshold rises with what is
+    freed"). Returns False where the C library has no ``malloc_trim`` (nothing is done).
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:

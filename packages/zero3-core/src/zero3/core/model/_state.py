@@ -22,6 +22,7 @@ from zero3.core.construct._materialize import (
     own_storage,
 )
 from zero3.core.diag._guard import CollectiveGuard, Op, OpKind, waiting_for
+from zero3.core.diag._memory import trim_heap
 from zero3.core.diag._stats import StatsBook, StepStats
 from zero3.core.diag._tracer import Tracer
 from zero3.core.grads._reducer import GradReducer
@@ -155,6 +156,7 @@ class ShardedModelState:
         self._optimizer_of: dict[int, object] = {}
         #: ``generate``'s stopping votes across ranks.
         self.votes = StopVotes(comm, self.guard, self.step, self.stats)
+        self._trims_heap = config.trims_host_heap  # resolved once: the config is frozen
         #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
         self.unsharded_blocks = 0
         #: The plan of the ``unsharded`` block open now, if any.
@@ -201,6 +203,12 @@ class ShardedModelState:
                 )
         state = cls(module, config, comm, param_init_fn=param_init_fn, checkpoint=checkpoint)
         _STATES[module] = state
+        if config.trim_host_heap is None and config.trims_host_heap and comm.rank == 0:
+            _log.info(
+                "zero3: offload to nvme: each optimizer step begins and ends by handing "
+                "the host heap's free pages back to the kernel "
+                "(Zero3Config.trim_host_heap=False keeps them)"
+            )
         return state
 
     def _partition(
@@ -596,7 +604,18 @@ class ShardedModelState:
         if self.param_swap is not None:  # the stepped shards are on disk on every rank
             self.param_swap.settle(self.grad_comm.device())
         self.coordinator.refresh(whole_here, self.step.moment())
+        self.trim_host_heap()  # what the step freed (the swapped state, temporaries)
         self.coordinator.read_ahead(-1)  # the next step's first offloaded shards
+
+    def trim_host_heap(self) -> None:
+        """Hand the host heap's free pages back to the kernel if the config says so
+        (:attr:`~zero3.core.Zero3Config.trim_host_heap`). The optimizer calls it when
+        its step begins (the backward's activations are free: the swap buffers the step
+        takes then do not stack on the heap they left); :meth:`commit_step` calls it
+        when the step ends.
+        """
+        if self._trims_heap:
+            trim_heap()
 
     # -- consistency across ranks --------------------------------------------------------
 
