@@ -190,6 +190,22 @@ def _param_swap_info(swap: Any) -> dict[str, Any]:
     return {"param_swap": dataclasses.asdict(swap.stats) | {"file_bytes": swap.file_bytes}}
 
 
+def _offload_nvme(
+    w: Workload, rank: int, world: int, **config: Any
+) -> tuple[StepFn, dict[str, Any]]:
+    """zero3 with its optimizer state in swap files under ``swap_dir()``."""
+    nvme = {"device": "nvme", "nvme_path": swap_dir()}
+    return _zero3(w, rank, world, offload_optimizer=nvme, **config)
+
+
+def _offload_both(
+    w: Workload, rank: int, world: int, **config: Any
+) -> tuple[StepFn, dict[str, Any]]:
+    """:func:`_offload_nvme` with the parameter shards in a swap file too (none kept)."""
+    shards = {"device": "nvme", "nvme_path": swap_dir(), "max_in_cpu": 0}
+    return _offload_nvme(w, rank, world, offload_param=shards, **config)
+
+
 def _deepspeed(w: Workload, rank: int, world: int) -> tuple[StepFn, dict[str, Any]]:
     import deepspeed
 
@@ -239,35 +255,14 @@ SYSTEMS: dict[str, Callable[[Workload, int, int], tuple[StepFn, dict[str, Any]]]
     # Optimizer offload: the sub-groups (2,097,152 elements each by default with offload)
     # stepped one at a time, their state in host memory or in swap files.
     "zero3-offload-cpu": lambda w, r, n: _zero3(w, r, n, offload_optimizer={"device": "cpu"}),
-    "zero3-offload-nvme": lambda w, r, n: _zero3(
-        w, r, n, offload_optimizer={"device": "nvme", "nvme_path": swap_dir()}
-    ),
+    "zero3-offload-nvme": _offload_nvme,
     # Both offloads (ZeRO-Infinity's layout): the parameter shards in a swap file too,
     # read ahead of each gather (max_in_cpu 0: none kept in memory).
-    "zero3-offload-both": lambda w, r, n: _zero3(
-        w,
-        r,
-        n,
-        offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
-        offload_param={"device": "nvme", "nvme_path": swap_dir(), "max_in_cpu": 0},
-    ),
+    "zero3-offload-both": _offload_both,
     # The same two with the host heap kept at each step (trim_host_heap off;
     # nvme offload trims it by default): what glibc's kept heap costs the offloads.
-    "zero3-offload-nvme-untrimmed": lambda w, r, n: _zero3(
-        w,
-        r,
-        n,
-        offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
-        trim_host_heap=False,
-    ),
-    "zero3-offload-both-untrimmed": lambda w, r, n: _zero3(
-        w,
-        r,
-        n,
-        offload_optimizer={"device": "nvme", "nvme_path": swap_dir()},
-        offload_param={"device": "nvme", "nvme_path": swap_dir(), "max_in_cpu": 0},
-        trim_host_heap=False,
-    ),
+    "zero3-offload-nvme-untrimmed": lambda w, r, n: _offload_nvme(w, r, n, trim_host_heap=False),
+    "zero3-offload-both-untrimmed": lambda w, r, n: _offload_both(w, r, n, trim_host_heap=False),
     "zero3-keep-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="keep"),
     "zero3-replicate-frozen": lambda w, r, n: _zero3(w, r, n, frozen_params="replicate"),
     "zero3-eager-build": lambda w, r, n: _zero3(w, r, n, eager_build=True),
