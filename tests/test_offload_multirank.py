@@ -209,16 +209,26 @@ def test_a_broken_swap_file_on_one_rank_fails_every_rank_alike(worker_pool, kind
     assert word in results[0] and "subgroup00000.swp" in results[0], results
 
 
-def _in_flight(root: str) -> dict[str, int]:
-    """Two records far larger than a sub-group (an embedding and a head) among small
-    ones: what the walk held at once, against its budget."""
+def _in_flight(root: str, shape: str) -> dict[str, int]:
+    """What the walk (and the backward's read-ahead) held at once, against its budget.
+    ``"large"``: two records far larger than a sub-group (an embedding and a head) among
+    small ones; ``"mixed"``: every record within a sub-group, most about 0.6 of a full
+    one, so reads queued while the bytes in flight were below the budget overshot it.
+    """
     comm = GlooBackend(timeout_s=30)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(2048, 64),
-        *[torch.nn.Linear(64, 64) for _ in range(6)],
-        torch.nn.Linear(64, 2048),
-    )
+    if shape == "large":
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(2048, 64),
+            *[torch.nn.Linear(64, 64) for _ in range(6)],
+            torch.nn.Linear(64, 2048),
+        )
+    else:  # sub-groups of 5,200 or 5,184 elements, and one full (8,192) at the end
+        pairs = [(torch.nn.Linear(64, 80), torch.nn.Linear(80, 64)) for _ in range(4)]
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(64, 64), *[m for pair in pairs for m in pair],
+            torch.nn.Linear(64, 128),
+        )  # fmt: skip
     offload = {"device": "nvme", "nvme_path": root, "buffer_count": 4}
     config = Zero3Config(param_persistence_threshold=0, sub_group_size=8192,
                          offload_optimizer=offload)  # fmt: skip
@@ -226,15 +236,17 @@ def _in_flight(root: str) -> dict[str, int]:
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     store = opt.offload
     assert store is not None
-    peaks = []
+    peaks, ahead = [], []
     for step in range(3):
         tokens = torch.randint(0, 2048, (4, 8), generator=torch.Generator().manual_seed(step))
+        tokens = tokens % model[0].num_embeddings
         model(tokens).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         peaks.append(store.stats.peak_in_flight_bytes)
+        ahead.append(store.stats.read_ahead_bytes)
     records = sorted(slot.nbytes for slot in store.slots())
-    result = {"peak": max(peaks[1:]), "budget": store.budget_bytes(),
+    result = {"peak": max(peaks[1:]), "budget": store.budget_bytes(), "ahead": max(ahead),
               "largest": records[-1], "count": store.config.buffer_count}  # fmt: skip
     store.close()
     return result
@@ -245,13 +257,24 @@ def test_the_walk_holds_a_byte_budget_not_a_count_of_records(worker_pool, tmp_pa
     (an embedding, a head) takes the room of several, so the walk never holds
     buffer_count of the largest records at once (in a world of one, that was as much as
     the state offload moved out)."""
-    res = worker_pool(1).run(_in_flight, str(tmp_path))[0]
+    res = worker_pool(1).run(_in_flight, str(tmp_path), "large")[0]
     # Two moments of fp32 per element: a full sub-group's record is 8192 * 8 bytes
     # (and the pages the largest record's segments are aligned to).
     assert 4 * 8192 * 8 <= res["budget"] < 4 * 8192 * 8 * 1.1, res
     assert res["largest"] > 2 * res["budget"] // 4, res  # the head: 133,120 elements
     assert res["peak"] <= res["budget"] + res["largest"], res
     assert res["peak"] < 2 * res["largest"], res  # never both large records at once
+
+
+def test_the_walk_and_the_read_ahead_stay_within_the_budget(worker_pool, tmp_path):
+    """Records within a sub-group never take the walk over its byte budget, nor the
+    backward's read-ahead over half of it (a read is queued only where it fits, not
+    while the total is below the budget, which let one more record overshoot it)."""
+    res = worker_pool(1).run(_in_flight, str(tmp_path), "mixed")[0]
+    assert res["largest"] <= res["budget"] // 4, res  # every record within a sub-group
+    assert res["budget"] - res["largest"] < res["peak"] <= res["budget"], res
+    # The backward reads ahead half the budget: it holds those buffers at its end.
+    assert res["budget"] // 2 - res["largest"] < res["ahead"] <= res["budget"] // 2, res
 
 
 def test_no_host_memory_for_a_record_on_one_rank_fails_every_rank_alike(worker_pool, tmp_path):

@@ -9,8 +9,8 @@ Note (how a step runs with ``offload_optimizer: nvme``):
     next ones are queued on the I/O threads while the current one steps, and the
     previous ones' writes run behind; at most ``buffer_count`` sub-groups' worth of
     page-aligned buffers (``OffloadStore.budget_bytes()``) are in flight, and all
-    writes are complete when ``step()`` returns. The first records' reads, up to that
-    budget, start when the step's backward is half done (a listener on the model's
+    writes are complete when ``step()`` returns. The first records' reads, up to half
+    that budget, start when the step's backward is half done (a listener on the model's
     step), so they overlap the rest of the backward instead of opening the walk with a
     wait, and land after the activations' peak. A
     record is read straight into its buffer and the tensors the wrapped optimizer knows
@@ -97,8 +97,8 @@ class OffloadStats:
         written_bytes: Bytes written to swap files.
         peak_in_flight_bytes: Most bytes of record buffers held at once by the walk
             (reads, writes and the records stepping): at most
-            ``OffloadStore.budget_bytes()`` plus one record, or a batch's records
-            plus one.
+            ``OffloadStore.budget_bytes()``, or, where the records of the batch
+            stepping fill that alone, those plus the one record being read.
         copy_wait_s: With the model on an accelerator: seconds the host waited for
             gradient shards to reach it and for upload buffers to be free again.
         to_host_bytes: Gradient bytes copied device→host (model on an accelerator).
@@ -310,16 +310,21 @@ class OffloadStore:
         return master, state, numel
 
     def read_ahead(self) -> None:
-        """Start reading the first offloaded records the next step walks, up to
-        :meth:`budget_bytes` (the model's step calls this when a backward is half done).
+        """Start reading the first offloaded records the next step walks, as many as
+        fit in half of :meth:`budget_bytes`, and at least one (the model's step calls
+        this when a backward is half done).
         """
         if self._pool is None or self._ahead:
             return
-        budget, queued = self.budget_bytes(), 0
+        # Half the walk's budget: these buffers are held through the backward's end,
+        # where the gradients peak, and the walk needs only its first records ready; the
+        # other half is for the reads it queues as it starts. The first record is read
+        # even if it alone is larger, so the walk does not open with a wait.
+        budget, queued = self.budget_bytes() // 2, 0
         for slot in self._slots.values():
-            if queued >= budget:
-                break
             if not slot.resident and slot.on_disk:
+                if queued and queued + slot.nbytes > budget:
+                    break
                 queued += slot.nbytes
                 self._ahead[slot.index] = self._pool.submit(
                     functools.partial(self.read_record, slot)
@@ -593,9 +598,9 @@ class _Walk:
         self.store = store
         self.batches = [list(b) for b in batches]
         self.order = [s for b in self.batches for sg in b if (s := store.slot(sg)) is not None]
-        # In bytes. A read is queued while the bytes in flight are below the limit (so
-        # one record may overshoot it), or when no I/O is in flight at all: the records
-        # of a batch being stepped may fill the limit alone, and the walk must go on.
+        # In bytes. A read is queued when its record fits under the limit with the bytes
+        # in flight, or when no I/O is in flight at all: the records of a batch being
+        # stepped may fill the limit alone, and the walk must go on.
         self.limit = store.budget_bytes()
         # The reads the backward started (the first records of this same order).
         self.reads: dict[int, Future[AlignedBuffer]] = store._ahead
@@ -624,24 +629,34 @@ class _Walk:
         stats.peak_in_flight_bytes = max(stats.peak_in_flight_bytes, used)
         return used
 
+    def _upcoming(self) -> Slot | None:
+        """The next record the walk has to read (None: all are queued or resident)."""
+        while self.next < len(self.order):
+            slot = self.order[self.next]
+            if not slot.resident and slot.on_disk and slot.index not in self.reads:
+                return slot
+            self.next += 1
+        return None
+
+    def _fits(self, slot: Slot) -> bool:
+        return self._used() + slot.nbytes <= self.limit or not (self.reading or self.writes)
+
     def _reap(self, *, block: bool) -> None:
-        while self.writes and (self.writes[0][0].done() or (block and self._used() >= self.limit)):
+        """Take finished writes; ``block``: wait for writes until the next read fits."""
+        while self.writes and (
+            self.writes[0][0].done()
+            or (block and (slot := self._upcoming()) is not None and not self._fits(slot))
+        ):
             self._wait(self.writes.popleft()[0])
 
     def _fill(self) -> None:
         pool = self.store._pool
         assert pool is not None
-        while self.next < len(self.order) and (
-            self._used() < self.limit or not (self.reading or self.writes)
-        ):
-            slot = self.order[self.next]
+        while (slot := self._upcoming()) is not None and self._fits(slot):
             self.next += 1
-            if not slot.resident and slot.on_disk and slot.index not in self.reads:
-                self.reads[slot.index] = pool.submit(
-                    functools.partial(self.store.read_record, slot)
-                )
-                self.reading += slot.nbytes
-                self.store.stats.read_bytes += slot.nbytes
+            self.reads[slot.index] = pool.submit(functools.partial(self.store.read_record, slot))
+            self.reading += slot.nbytes
+            self.store.stats.read_bytes += slot.nbytes
 
     def _swap_in(self, slot: Slot) -> int:
         """Make ``slot``'s record resident; returns the bytes it counts while stepping."""
