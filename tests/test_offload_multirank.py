@@ -156,8 +156,9 @@ def test_offloaded_training_equals_in_memory(worker_pool, world_size, tmp_path):
 
 def _fault(kind: str, root: str) -> str:
     """Break the last rank's optimizer offload after a good step (its first swap file
-    ``"truncated"`` or ``"removed"``, or ``"no-memory"`` for record buffers); return the
-    error of the next step.
+    ``"truncated"`` or ``"removed"``, ``"no-memory"`` for record buffers, or
+    ``"torch-oom"``: the wrapped optimizer's step raises what torch raises when host
+    memory runs out); return the error of the next step.
     """
     from zero3.optim import _offload
 
@@ -176,6 +177,10 @@ def _fault(kind: str, root: str) -> str:
     def exhausted(nbytes: int, *, pin: bool = False) -> Any:
         raise MemoryError(f"no room for a {nbytes}-byte record buffer (test)")
 
+    def torch_out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        # torch's CPU allocator raises a plain RuntimeError, not MemoryError
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory (test)")
+
     try:
         for step in range(2):
             if step == 1 and r == n - 1:
@@ -184,6 +189,8 @@ def _fault(kind: str, root: str) -> str:
                     os.truncate(victim, 4096)
                 elif kind == "removed":
                     victim.unlink()
+                elif kind == "torch-oom":
+                    opt.optimizer.step = torch_out_of_memory  # type: ignore[method-assign]
                 else:
                     _offload.AlignedBuffer = exhausted  # type: ignore[misc]
             x = make(LOCAL * n, step)
@@ -207,6 +214,16 @@ def test_a_broken_swap_file_on_one_rank_fails_every_rank_alike(worker_pool, kind
     assert "optimizer offload failed on rank 1" in results[0]
     word = "is truncated" if kind == "truncated" else "is gone"
     assert word in results[0] and "subgroup00000.swp" in results[0], results
+
+
+def test_the_wrapped_optimizer_failing_on_one_rank_fails_every_rank_alike(worker_pool, tmp_path):
+    """A failure of the walk that is not I/O (torch out of host memory inside the
+    wrapped optimizer's step) is agreed too: the other rank does not wait for it."""
+    results = worker_pool(2).run(_fault, "torch-oom", str(tmp_path))
+    assert results[0] == results[1], results
+    assert "optimizer offload failed on rank 1" in results[0]
+    assert "RuntimeError while stepping offloaded sub-groups" in results[0], results
+    assert "can't allocate memory" in results[0], results
 
 
 def _in_flight(root: str, shape: str) -> dict[str, int]:

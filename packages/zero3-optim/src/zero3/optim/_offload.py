@@ -19,7 +19,9 @@ Note (how a step runs with ``offload_optimizer: nvme``):
 
     Faults are agreed before anything steps and again before anything is written back
     (a one-element all-reduce each): if any rank's file is gone, truncated, short or
-    unwritable, every rank raises :class:`OffloadError` with that rank's message.
+    unwritable, or its walk failed otherwise (no memory for a buffer, the wrapped
+    optimizer's step raising), every rank raises :class:`OffloadError` with that rank's
+    message.
 
     Edits to a parameter made while its master is on disk (loading, ``gathered_parameters``)
     reach the shard only; when the master is read back, elements whose shard no longer
@@ -556,8 +558,11 @@ class OffloadStore:
         walk = _Walk(self, batches)
         try:
             walk.run(step)
-        except _AGREED as exc:
-            error = exc
+        except Exception as exc:  # agreed below, then raised on every rank
+            # Not only I/O: the wrapped optimizer's step failing on one rank (torch out of
+            # host memory raises a plain RuntimeError) must not leave the others waiting
+            # in the agreement below.
+            error = exc if isinstance(exc, _AGREED) else _failed_step(exc)
         try:
             walk.drain()
         except _AGREED as exc:
@@ -707,6 +712,15 @@ class _Walk:
         self.reading = 0
         if first is not None:
             raise first
+
+
+def _failed_step(exc: Exception) -> Exception:
+    """The error agreed for a failure of the walk other than I/O or a record buffer: it
+    names the exception's type (its text alone may not) and chains to it.
+    """
+    error = RuntimeError(f"{type(exc).__name__} while stepping offloaded sub-groups: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _cleanup(directory: Path | None, pool: IOPool | None, files: list[SwapFile]) -> None:
