@@ -308,9 +308,11 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _heap_after_step(root: str, trim: bool | None) -> dict[str, float]:
-    """Resident MiB freed by an offloaded step when 128 MiB of freed blocks sit on the
-    heap (as a backward's activations do under glibc's default allocator).
+def _heap_freed(root: str, trim: bool | None, when: str) -> dict[str, float]:
+    """Resident MiB handed back while 128 MiB of freed blocks sit on the heap (as a
+    backward's activations do under glibc's default allocator): by the optimizer step
+    (``when="step"``: freed after the backward), or by the backward itself (``"backward"``:
+    freed after the forward, measured when the backward returns).
     """
     comm = GlooBackend(timeout_s=30)
     model, make = build("gpt_tied")
@@ -320,7 +322,9 @@ def _heap_after_step(root: str, trim: bool | None) -> dict[str, float]:
     shard_module(model, config, comm=comm)
     opt = PartitionedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     x = make(LOCAL, 0)
-    loss_of(model(x)).backward()
+    loss = loss_of(model(x))
+    if when == "step":
+        loss.backward()
     # 128 MiB of 64 KiB blocks, each followed by a small block kept, then freed: below
     # glibc's smallest mmap threshold (128 KiB), so they come from the heap whatever
     # this worker ran before, and the kept blocks pin their pages there.
@@ -330,17 +334,22 @@ def _heap_after_step(root: str, trim: bool | None) -> dict[str, float]:
         kept.append(torch.ones(1024))
     del blocks
     before = _rss_mib()
-    opt.step()
+    if when == "step":
+        opt.step()
+    else:
+        loss.backward()
     return {"freed": before - _rss_mib(), "trims": float(config.trims_host_heap)}
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+@pytest.mark.parametrize("when", ["step", "backward"])
 @pytest.mark.parametrize("trim", [None, False])
-def test_an_nvme_offloaded_step_hands_the_freed_heap_back(worker_pool, trim, tmp_path):
-    """With nvme offload the step ends by trimming the heap (auto), so what the state
+def test_an_nvme_offloaded_step_hands_the_freed_heap_back(worker_pool, trim, when, tmp_path):
+    """With nvme offload the step ends by trimming the heap (auto), and the backward
+    trims it when half done (the forward's activations it freed), so what the state
     moved out is not refilled by heap glibc kept; ``trim_host_heap=False`` keeps it.
     """
-    ((result),) = worker_pool(1).run(_heap_after_step, str(tmp_path), trim)
+    ((result),) = worker_pool(1).run(_heap_freed, str(tmp_path), trim, when)
     if trim is None:
         assert result["trims"] and result["freed"] > 100, result
     else:

@@ -249,8 +249,9 @@ def format_summary(
     if config.offload_param.enabled:
         lines.append(_param_offload_line(config, per_rank))
     if config.trims_host_heap:
-        lines.append("host heap: its free pages handed back to the kernel as each optimizer "
-                     "step begins and ends (Zero3Config.trim_host_heap)")  # fmt: skip
+        lines.append("host heap: its free pages handed back to the kernel half way through "
+                     "each backward and as each optimizer step begins and ends "
+                     "(Zero3Config.trim_host_heap)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -144,9 +144,10 @@ class Zero3Config:
         offload_param: Where parameter shards live
             (:class:`~zero3.core.OffloadParamConfig`).
         aio: How swap files are read and written (:class:`~zero3.core.AioConfig`).
-        trim_host_heap: When each optimizer step begins (the backward's activations
-            are free) and when it ends, hand the host heap's free pages back to the
-            kernel (glibc's ``malloc_trim``; nothing with another C library). glibc
+        trim_host_heap: When a backward is half done (the forward's activations it
+            freed), when each optimizer step begins (the rest are free) and when it
+            ends, hand the host heap's free pages back to the kernel (glibc's
+            ``malloc_trim``; nothing with another C library). glibc
             otherwise keeps the heap a step's activations grew to, and what offload
             moves out of memory is refilled by that heap rather than returned.
             None (auto): on when either offload section uses ``"nvme"`` (a user who

@@ -157,6 +157,12 @@ class ShardedModelState:
         #: ``generate``'s stopping votes across ranks.
         self.votes = StopVotes(comm, self.guard, self.step, self.stats)
         self._trims_heap = config.trims_host_heap  # resolved once: the config is frozen
+        if self._trims_heap:
+            # Half way through a backward the forward's activations it freed are heap
+            # glibc keeps; handed back, the gradients and read-ahead that the second
+            # half brings do not stack on them (the optimizer's read-ahead, registered
+            # later, starts after this).
+            self.step.on_backward(self.trim_host_heap)
         #: ``zero3.hooks.unsharded`` blocks opened on the model (generate opens one).
         self.unsharded_blocks = 0
         #: The plan of the ``unsharded`` block open now, if any.
@@ -205,8 +211,8 @@ class ShardedModelState:
         _STATES[module] = state
         if config.trim_host_heap is None and config.trims_host_heap and comm.rank == 0:
             _log.info(
-                "zero3: offload to nvme: each optimizer step begins and ends by handing "
-                "the host heap's free pages back to the kernel "
+                "zero3: offload to nvme: each backward half way and each optimizer step "
+                "as it begins and ends hand the host heap's free pages back to the kernel "
                 "(Zero3Config.trim_host_heap=False keeps them)"
             )
         return state
@@ -609,10 +615,10 @@ class ShardedModelState:
 
     def trim_host_heap(self) -> None:
         """Hand the host heap's free pages back to the kernel if the config says so
-        (:attr:`~zero3.core.Zero3Config.trim_host_heap`). The optimizer calls it when
-        its step begins (the backward's activations are free: the swap buffers the step
-        takes then do not stack on the heap they left); :meth:`commit_step` calls it
-        when the step ends.
+        (:attr:`~zero3.core.Zero3Config.trim_host_heap`). The model's step calls it when
+        a backward is half done; the optimizer when its step begins (the backward's
+        activations are free: the swap buffers the step takes then do not stack on the
+        heap they left); :meth:`commit_step` when the step ends.
         """
         if self._trims_heap:
             trim_heap()
