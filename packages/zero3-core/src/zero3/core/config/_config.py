@@ -271,8 +271,8 @@ class Zero3Config:
 
     @property
     def trims_host_heap(self) -> bool:
-        """Whether each optimizer step begins and ends by trimming the host heap
-        (:attr:`trim_host_heap`, with auto resolved).
+        """Whether the host heap is trimmed half way through each backward and as each
+        optimizer step begins and ends (:attr:`trim_host_heap`, with auto resolved).
         """
         if self.trim_host_heap is not None:
             return self.trim_host_heap

@@ -74,19 +74,17 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
-def trim_heap() -> bool:
+def trim_heap() -> None:
     """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim(0)``).
 
     glibc keeps freed blocks below its mmap threshold resident, and the threshold rises
     to the size of each large block freed, so after a step the activations' memory is
     still in the resident set (docs/facts.rst, "glibc's mmap threshold rises with what is
-    freed"). Returns False where the C library has no ``malloc_trim`` (nothing is done).
+    freed"). Nothing is done where the C library has no ``malloc_trim``.
     """
     trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    if trim is not None:
+        trim(0)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
