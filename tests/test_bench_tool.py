@@ -43,13 +43,21 @@ def test_bench_runs_reports_every_system_and_profiles_zero3():
         for line in timing.splitlines()
         if line.startswith("| ") and not line.startswith("| system")
     }
+    header = next(line for line in timing.splitlines() if line.startswith("| system"))
+    column = {name.strip(): i for i, name in enumerate(header.split("|")[2:-1])}
     assert set(rows) == {"ddp", "zero3:overlap_comm=false"}, result.stdout
     for name, cells in rows.items():
         assert float(cells[-1]) < 1e-4, (name, cells)  # same losses as one process
+        # CPU seconds per step, with the kernel's part of them in brackets.
+        cpu_cell = cells[column["CPU s/step per rank (of it kernel)"]]
+        cpu, kernel = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", cpu_cell).groups()  # type: ignore[union-attr]
+        assert 0 <= float(kernel) <= float(cpu) and float(cpu) > 0, cells
+        assert re.fullmatch(r"[\d.]+k", cells[column["voluntary context switches/step per rank"]])
     for name in ("zero3:overlap_comm=false",):
         cells = rows[name]
-        assert "measured" in cells[5] and float(cells[5].split()[0]) > 0, cells
-        assert float(cells[6].rstrip("%")) > 99.0, cells  # elements sharded
+        payload = cells[column["payload bytes/step per rank"]]
+        assert "measured" in payload and float(payload.split()[0]) > 0, cells
+        assert float(cells[column["elements sharded"]].rstrip("%")) > 99.0, cells
     # The memory table: every system's peak RSS growth; zero3 holds about half the
     # unsharded model state at world 2 (its model is never whole on a rank).
     mem = {

@@ -71,8 +71,8 @@ def launch(
     line = next(x for x in outs[0][0].splitlines() if x.startswith("BENCH_RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("BENCH_RESULT "))
     result["timed"] = result["times"][args.warmup :]
-    result["timed_cpu"] = result["cpu"][args.warmup :]
-    result["timed_faults"] = result["faults"][args.warmup :]
+    for key in ("cpu", "kernel", "switches", "faults"):
+        result[f"timed_{key}"] = result[key][args.warmup :]
     return result
 
 
@@ -94,10 +94,13 @@ def _row(
     )
     rounds = ", ".join(f"{m:.2f}" for m in medians)
     sharded = 100 * last.get("sharded", 0)
-    cpu = statistics.median(c for r in runs for c in r["timed_cpu"])
-    faults = statistics.median(f for r in runs for f in r["timed_faults"])
+    cpu, kernel, switches, faults = (
+        statistics.median(c for r in runs for c in r[f"timed_{key}"])
+        for key in ("cpu", "kernel", "switches", "faults")
+    )
     return (
-        f"| {name} | {rounds} | {ratio} | {cpu:.2f} | {faults / 1000:.0f}k | {rss} | {payload} "
+        f"| {name} | {rounds} | {ratio} | {cpu:.2f} ({kernel:.2f}) | {switches / 1000:.1f}k "
+        f"| {faults / 1000:.0f}k | {rss} | {payload} "
         f"| {sharded:.1f}% | {diff:.1e} |"
     )
 
@@ -165,9 +168,10 @@ def report(
         f"### {title}",
         "",
         f"| system | median step time per round (s) | vs {base} (median of rounds; range) "
-        "| CPU s/step per rank | page faults/step per rank | peak RSS per rank (GiB) "
+        "| CPU s/step per rank (of it kernel) | voluntary context switches/step per rank "
+        "| page faults/step per rank | peak RSS per rank (GiB) "
         "| payload bytes/step per rank | elements sharded | max loss diff vs 1 process |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in results.items():
         if runs and "skipped" in runs[0]:

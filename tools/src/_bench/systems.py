@@ -315,7 +315,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     # process group): peak RSS growth from here is the system's own.
     baseline = rss_baseline()
     step_fn, info = lookup(system)(w, rank, world)
-    times, losses, cpu, faults = [], [], [], []
+    times, losses, cpu, kernel, switches, faults = [], [], [], [], [], []
     profiler = None
     for i in range(steps):
         if i == profile_after:
@@ -328,6 +328,10 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
         # CPU of every thread of the rank (compute and the backend's), and page faults:
         # on a shared 2-core VM these explain step times that wall clock alone cannot.
         cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        # The kernel's part of it (socket copies of the collectives, page faults) and the
+        # times a thread gave up its core (a collective's wait, the backend thread's).
+        kernel.append(after.ru_stime - before.ru_stime)
+        switches.append(after.ru_nvcsw - before.ru_nvcsw)
         faults.append(after.ru_minflt - before.ru_minflt)
         losses.append(loss)
     extra = info.pop("info")() if "info" in info else {}
@@ -343,6 +347,8 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
         "times": times,
         "losses": losses,
         "cpu": cpu,
+        "kernel": kernel,
+        "switches": switches,
         "faults": faults,
         "rss": peak_rss_bytes(),
         "baseline": baseline,
@@ -359,8 +365,8 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     merged["losses"] = [sum(r["losses"][i] for r in rows) / world for i in range(steps)]
     merged["rss"] = [r["rss"] for r in rows]
     merged["baseline"] = [r["baseline"] for r in rows]
-    merged["cpu"] = [sum(r["cpu"][i] for r in rows) / world for i in range(steps)]
-    merged["faults"] = [sum(r["faults"][i] for r in rows) / world for i in range(steps)]
+    for key in ("cpu", "kernel", "switches", "faults"):  # per rank: the mean of the ranks
+        merged[key] = [sum(r[key][i] for r in rows) / world for i in range(steps)]
     return merged
 
 
