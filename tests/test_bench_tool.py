@@ -49,9 +49,12 @@ def test_bench_runs_reports_every_system_and_profiles_zero3():
     for name, cells in rows.items():
         assert float(cells[-1]) < 1e-4, (name, cells)  # same losses as one process
         # CPU seconds per step, with the kernel's part of them in brackets.
-        cpu_cell = cells[column["CPU s/step per rank (of it kernel)"]]
-        cpu, kernel = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", cpu_cell).groups()  # type: ignore[union-attr]
-        assert 0 <= float(kernel) <= float(cpu) and float(cpu) > 0, cells
+        cpu_kernel = re.fullmatch(
+            r"([\d.]+) \(([\d.]+)\)", cells[column["CPU s/step per rank (of it kernel)"]]
+        )
+        assert cpu_kernel is not None, cells
+        cpu, kernel = (float(x) for x in cpu_kernel.groups())
+        assert 0 <= kernel <= cpu and cpu > 0, cells
         assert re.fullmatch(r"[\d.]+k", cells[column["voluntary context switches/step per rank"]])
     for name in ("zero3:overlap_comm=false",):
         cells = rows[name]
