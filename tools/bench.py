@@ -71,8 +71,7 @@ def launch(
     line = next(x for x in outs[0][0].splitlines() if x.startswith("BENCH_RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("BENCH_RESULT "))
     result["timed"] = result["times"][args.warmup :]
-    for key in ("cpu", "kernel", "switches", "faults"):
-        result[f"timed_{key}"] = result[key][args.warmup :]
+    result["timed_usage"] = {key: v[args.warmup :] for key, v in result["usage"].items()}
     return result
 
 
@@ -94,13 +93,13 @@ def _row(
     )
     rounds = ", ".join(f"{m:.2f}" for m in medians)
     sharded = 100 * last.get("sharded", 0)
-    cpu, kernel, switches, faults = (
-        statistics.median(c for r in runs for c in r[f"timed_{key}"])
-        for key in ("cpu", "kernel", "switches", "faults")
-    )
+    use = {
+        key: statistics.median(v for r in runs for v in r["timed_usage"][key])
+        for key in last["timed_usage"]
+    }
     return (
-        f"| {name} | {rounds} | {ratio} | {cpu:.2f} ({kernel:.2f}) | {switches / 1000:.1f}k "
-        f"| {faults / 1000:.0f}k | {rss} | {payload} "
+        f"| {name} | {rounds} | {ratio} | {use['cpu']:.2f} ({use['kernel']:.2f}) "
+        f"| {use['switches'] / 1000:.1f}k | {use['faults'] / 1000:.0f}k | {rss} | {payload} "
         f"| {sharded:.1f}% | {diff:.1e} |"
     )
 

@@ -295,6 +295,22 @@ def lookup(system: str) -> Callable[[Workload, int, int], tuple[StepFn, dict[str
     return lambda w, r, n: _zero3(w, r, n, **config)
 
 
+def _usage_between(before: Any, after: Any) -> dict[str, float]:
+    """What one step cost the rank, from two ``getrusage`` readings.
+
+    CPU of every thread of the rank (compute and the backend's) and page faults: on a
+    shared 2-core VM these explain step times that wall clock alone cannot. The kernel's
+    part of the CPU (socket copies of the collectives, page faults) and the times a thread
+    gave up its core (a collective's wait, the backend thread's) say which work it was.
+    """
+    return {
+        "cpu": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+        "kernel": after.ru_stime - before.ru_stime,
+        "switches": after.ru_nvcsw - before.ru_nvcsw,
+        "faults": after.ru_minflt - before.ru_minflt,
+    }
+
+
 def run(system: str, w: Workload, steps: int, profile_after: int | None = None) -> dict[str, Any]:
     """Run ``steps`` training steps of ``system`` on this rank; rank 0 returns the results.
 
@@ -315,7 +331,8 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     # process group): peak RSS growth from here is the system's own.
     baseline = rss_baseline()
     step_fn, info = lookup(system)(w, rank, world)
-    times, losses, cpu, kernel, switches, faults = [], [], [], [], [], []
+    times, losses = [], []
+    usage: dict[str, list[float]] = {}
     profiler = None
     for i in range(steps):
         if i == profile_after:
@@ -325,14 +342,8 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
         loss = step_fn(i)
         times.append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_SELF)
-        # CPU of every thread of the rank (compute and the backend's), and page faults:
-        # on a shared 2-core VM these explain step times that wall clock alone cannot.
-        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-        # The kernel's part of it (socket copies of the collectives, page faults) and the
-        # times a thread gave up its core (a collective's wait, the backend thread's).
-        kernel.append(after.ru_stime - before.ru_stime)
-        switches.append(after.ru_nvcsw - before.ru_nvcsw)
-        faults.append(after.ru_minflt - before.ru_minflt)
+        for key, value in _usage_between(before, after).items():
+            usage.setdefault(key, []).append(value)
         losses.append(loss)
     extra = info.pop("info")() if "info" in info else {}
     close = info.pop("close", None)
@@ -346,10 +357,7 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     result = {
         "times": times,
         "losses": losses,
-        "cpu": cpu,
-        "kernel": kernel,
-        "switches": switches,
-        "faults": faults,
+        "usage": usage,
         "rss": peak_rss_bytes(),
         "baseline": baseline,
         **extra,
@@ -365,8 +373,9 @@ def run(system: str, w: Workload, steps: int, profile_after: int | None = None) 
     merged["losses"] = [sum(r["losses"][i] for r in rows) / world for i in range(steps)]
     merged["rss"] = [r["rss"] for r in rows]
     merged["baseline"] = [r["baseline"] for r in rows]
-    for key in ("cpu", "kernel", "switches", "faults"):  # per rank: the mean of the ranks
-        merged[key] = [sum(r[key][i] for r in rows) / world for i in range(steps)]
+    merged["usage"] = {  # per rank: the mean of the ranks
+        key: [sum(r["usage"][key][i] for r in rows) / world for i in range(steps)] for key in usage
+    }
     return merged
 
 
