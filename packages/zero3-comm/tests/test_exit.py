@@ -166,6 +166,43 @@ def test_release_groups_keeps_the_default_group_zero3_made() -> None:
     assert "checks passed" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_close_frees_the_group_while_the_program_keeps_its_works() -> None:
+    # examples/comm_only.py's shape: works kept in module variables, then close(). A work
+    # that held its group kept the destroyed group (and its gloo threads) alive into
+    # finalization, where gloo can abort the process.
+    result = _run(
+        """
+        import gc, time, weakref
+        import torch
+        import torch.distributed as dist
+        from zero3.comm import create_backend
+
+        def gloo_threads():
+            return [n for n in thread_names() if n.startswith(("pt_gloo", "gloo_tcp"))]
+
+        comm = create_backend("gloo", timeout_s=30)  # no launcher: zero3 makes a world of 1
+        group = weakref.ref(comm.process_group)
+        deadline = time.monotonic() + 30  # threads name themselves once they run
+        while not gloo_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gloo_threads(), thread_names()
+        out = torch.empty(4)
+        work = comm.all_gather(out, torch.ones(4))
+        work.wait()
+        barrier = comm.barrier()
+        barrier.wait()
+        comm.close()
+        gc.collect()
+        assert group() is None, gc.get_referrers(group())
+        assert not gloo_threads(), gloo_threads()
+        print("freed at close", flush=True)
+        """
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "freed at close" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py not installed")
 def test_mpi_progress_thread_is_stopped_at_exit() -> None:
     result = _run(

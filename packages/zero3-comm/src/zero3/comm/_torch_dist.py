@@ -11,6 +11,7 @@ import math
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -98,7 +99,10 @@ class TorchWork(Work):
         the collective is known to be complete, so nothing zero3 holds keeps a finished
         collective's buffers alive. Until then the work is also listed in its backend's
         ``pending`` table, which the exit handler uses to wait for collectives nobody
-        waited for (:ref:`exit-abort`).
+        waited for (:ref:`exit-abort`). The process group is held only weakly: a work the
+        program keeps (a variable at module level) must not keep a group that
+        :meth:`TorchDistBackend.close` destroyed alive into interpreter finalization,
+        where its gloo threads can abort the process (:ref:`fact-gloo-teardown`).
     """
 
     def __init__(
@@ -111,7 +115,8 @@ class TorchWork(Work):
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self._work: Any = work
-        self._group = group  # whose peers a lost connection is looked up among
+        # Whose peers a lost connection is looked up among (weakly: see the Note).
+        self._group = weakref.ref(group) if group is not None else None
         self._description = description
         self._timeout = _timedelta(timeout_s)
         self._device_type = device_type
@@ -139,7 +144,7 @@ class TorchWork(Work):
             if "imed out" in message or "imeout" in message:
                 raise CommTimeoutError(f"{self._description} failed: {first}") from exc
             if looks_like_peer_gone(message):
-                gone, _ = describe_gone(self._group)
+                gone, _ = describe_gone(self._group() if self._group is not None else None)
                 transport = f"{self._description} failed: {first}"
                 who = PeerGoneError(transport, gone).who()
                 raise PeerGoneError(f"{transport} ({who})", gone, transport) from exc
