@@ -24,6 +24,7 @@ pytestmark = pytest.mark.multirank
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_SCRIPT = ROOT / "tests" / "data" / "exit" / "zero3_user.py"
+CHECKPOINT_SCRIPT = ROOT / "tests" / "data" / "exit" / "zero3_checkpoint.py"
 
 # Runs the user script unchanged, after registering an exit hook that runs after
 # zero3's (atexit runs handlers newest first) and fails the rank (exit 3) if a gloo
@@ -72,18 +73,20 @@ def gloo_workers() -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
-def test_user_script_without_cleanup_exits_zero(tmp_path):
-    # One run (the exit counts of docs/troubleshooting.rst ran the script 50 times).
+@pytest.mark.parametrize("user_script", [USER_SCRIPT, CHECKPOINT_SCRIPT], ids=lambda p: p.stem)
+def test_user_script_without_cleanup_exits_zero(tmp_path, user_script):
+    # One run each (the exit counts of docs/troubleshooting.rst ran zero3_user.py 50 times).
     script = tmp_path / "checked_run.py"
-    script.write_text(_CHECKED_RUN.format(script=str(USER_SCRIPT)))
+    script.write_text(_CHECKED_RUN.format(script=str(user_script)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARIABLES)}
     env["OMP_NUM_THREADS"] = "1"
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)]
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
     # A session of its own, so that a hang is stopped with every rank torchrun started.
     returncode, out, err = run_in_session(cmd, timeout_s=150, env=env)
     assert "terminate called" not in err, err[-4000:]  # gloo's abort at finalization
     assert returncode == 0, out + err[-4000:]
+    assert out.count("done:") == 2, out  # both ranks ran the script to its end
 
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC_")

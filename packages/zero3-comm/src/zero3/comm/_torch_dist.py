@@ -101,7 +101,7 @@ class TorchWork(Work):
         ``pending`` table, which the exit handler uses to wait for collectives nobody
         waited for (:ref:`exit-abort`). The process group is held only weakly: a work the
         program keeps (a variable at module level) must not keep a group that
-        :meth:`TorchDistBackend.close` destroyed alive into interpreter finalization,
+        :meth:`~zero3.comm.TorchDistBackend.close` destroyed alive into interpreter finalization,
         where its gloo threads can abort the process (:ref:`fact-gloo-teardown`).
     """
 
