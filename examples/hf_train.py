@@ -170,6 +170,9 @@ def main() -> None:
             f"--- sample ({len(sample)} characters) ---\n{sample}\n"
             "--- end of sample ---"
         )
+    # accelerate made the default process group (zero3 destroys only the groups it
+    # made): destroy it while Python is whole, as accelerate asks every script to.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
