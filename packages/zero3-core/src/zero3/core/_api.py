@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -135,6 +136,83 @@ def _on_device(sps: Sequence[ShardedParam]) -> bool:
     return any(sp.device.type != "cpu" for sp in sps)
 
 
+@dataclasses.dataclass(frozen=True)
+class _OptimizerHeld:
+    """Bytes this rank's optimizers hold (memory_stats): masters and state, in the
+    device's memory, in host memory (offloaded beside an accelerator) and in swap files,
+    and how many elements they step.
+    """
+
+    master: int
+    optimizer: int
+    host_master: int
+    host_optimizer: int
+    nvme_master: int
+    nvme_optimizer: int
+    stepped: int
+
+    @classmethod
+    def count(
+        cls,
+        optimizers: Sequence[torch.optim.Optimizer],
+        shards: list[torch.Tensor],
+        on_device: bool,
+    ) -> _OptimizerHeld:
+        """Count ``optimizers``; masters that share a storage with ``shards`` are the
+        parameters themselves (fp32 without offload) and count nowhere here.
+        """
+        masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        values = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        # With the shards on an accelerator, offloaded masters and state are in host
+        # memory (torch keeps scalar state such as Adam's ``step`` on the host anyway:
+        # not counted).
+
+        def where(ts: list[torch.Tensor], host: bool) -> list[torch.Tensor]:
+            return [t for t in ts if (on_device and t.device.type == "cpu" and t.dim() > 0) == host]
+
+        # What optimizer offload holds in swap files (its store says; in memory it is empty).
+        nvme_master = nvme_state = numel_out = 0
+        for opt in optimizers:
+            store = getattr(opt, "offload", None)
+            if store is not None and store.nvme:
+                master_out, state_out, numel = store.offloaded_split()
+                nvme_master, nvme_state = nvme_master + master_out, nvme_state + state_out
+                numel_out += numel
+        return cls(
+            master=storage_bytes(where(masters, False), skip=storages(shards)),
+            optimizer=storage_bytes(where(tensors, False)),
+            host_master=storage_bytes(where(masters, True)),
+            host_optimizer=storage_bytes(where(tensors, True)),
+            nvme_master=nvme_master,
+            nvme_optimizer=nvme_state,
+            stepped=sum(p.numel() for p in masters) + numel_out,
+        )
+
+
+def _unsharded_bytes(state: ShardedModelState, held: _OptimizerHeld) -> int:
+    """The same model state in one unsharded process: parameters, gradients, separate
+    fp32 masters where the optimizers keep them, and optimizer state per element as
+    the optimizers hold it.
+    """
+    sps = state.params
+    trainable = sum(sp.numel for sp in sps if sp.requires_grad)
+    el = max((sp.param.element_size() for sp in sps), default=4)
+    reduce_dtype = state.config.reduce_dtype
+    grad_el = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else el
+    unsharded = sum(sp.numel for sp in sps) * el + trainable * grad_el
+    # A separate fp32 master is part of the one-process state only for other dtypes
+    # (parameter offload keeps an fp32 parameter's master apart from its shard too).
+    if (held.master or held.nvme_master or held.host_master) and any(
+        sp.requires_grad and sp.dtype != torch.float32 for sp in sps
+    ):
+        unsharded += trainable * 4
+    if held.stepped:
+        state_bytes = held.optimizer + held.nvme_optimizer + held.host_optimizer
+        unsharded += int(trainable * state_bytes / held.stepped)
+    return unsharded
+
+
 def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryStats:
     """What this rank holds of a sharded model's state (and of its optimizer's).
 
@@ -153,43 +231,8 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     host_param_bytes = storage_bytes(t for t in shards if on_device and t.device.type == "cpu")
     grad_bytes = storage_bytes(state.reducer.grad_buffers())
     optimizers = [optimizer] if optimizer is not None else state.optimizers()
-    masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]  # type: ignore[attr-defined]
-    stepped = sum(p.numel() for p in masters)
-    values = [v for opt in optimizers for s in opt.state.values() for v in s.values()]  # type: ignore[attr-defined]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    # With the shards on an accelerator, offloaded masters and state are in host memory
-    # (torch keeps scalar state such as Adam's ``step`` on the host anyway: not counted).
-
-    def where(ts: list[torch.Tensor], host: bool) -> list[torch.Tensor]:
-        return [t for t in ts if (on_device and t.device.type == "cpu" and t.dim() > 0) == host]
-
-    master_bytes = storage_bytes(where(masters, False), skip=storages(shards))
-    optimizer_bytes = storage_bytes(where(tensors, False))
-    host_master_bytes = storage_bytes(where(masters, True))
-    host_optimizer_bytes = storage_bytes(where(tensors, True))
-    # What optimizer offload holds in swap files (its store says; in memory it is empty).
-    nvme_master = nvme_state = 0
-    for opt in optimizers:
-        store = getattr(opt, "offload", None)
-        if store is not None and store.nvme:
-            master_out, state_out, numel_out = store.offloaded_split()
-            nvme_master, nvme_state = nvme_master + master_out, nvme_state + state_out
-            stepped += numel_out
-    psi = sum(sp.numel for sp in sps)
-    trainable = sum(sp.numel for sp in sps if sp.requires_grad)
-    el = max((sp.param.element_size() for sp in sps), default=4)
-    reduce_dtype = state.config.reduce_dtype
-    grad_el = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else el
-    unsharded = psi * el + trainable * grad_el
-    # A separate fp32 master is part of the one-process state only for other dtypes
-    # (parameter offload keeps an fp32 parameter's master apart from its shard too).
-    if (master_bytes or nvme_master or host_master_bytes) and any(
-        sp.requires_grad and sp.dtype != torch.float32 for sp in sps
-    ):
-        unsharded += trainable * 4
-    if stepped:
-        state_bytes = optimizer_bytes + nvme_state + host_optimizer_bytes
-        unsharded += int(trainable * state_bytes / stepped)
+    held = _OptimizerHeld.count(optimizers, shards, on_device)
+    unsharded = _unsharded_bytes(state, held)
     gathered = sum(
         sp.numel * sp.param.element_size()
         for sp in sps
@@ -197,14 +240,15 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     )
     return MemoryStats(
         world_size=state.comm.world_size,
-        numel=psi,
+        numel=sum(sp.numel for sp in sps),
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
-        master_bytes=master_bytes,
-        optimizer_bytes=optimizer_bytes,
+        master_bytes=held.master,
+        optimizer_bytes=held.optimizer,
         unsharded_bytes=unsharded,
         gathered_bytes=gathered,
-        peak_gathered_bytes=state.stats.peak_live_numel * el,
+        peak_gathered_bytes=state.stats.peak_live_numel
+        * max((sp.param.element_size() for sp in sps), default=4),
         pool_bytes=state.pool.cached_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         window=state.window,
@@ -213,11 +257,11 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
         peak_bucket_bytes=state.pool.peak_kind_bytes.get("bucket", 0),
         peak_full_grad_bytes=state.reducer.peak_grad_bytes,
         peak_engine_bytes=state.pool.peak_bytes,
-        nvme_master_bytes=nvme_master,
-        nvme_optimizer_bytes=nvme_state,
+        nvme_master_bytes=held.nvme_master,
+        nvme_optimizer_bytes=held.nvme_optimizer,
         nvme_param_bytes=state.param_swap.offloaded_bytes() if state.param_swap else 0,
         peak_grad_shard_bytes=state.reducer.peak_shard_bytes,
         host_param_bytes=host_param_bytes,
-        host_master_bytes=host_master_bytes,
-        host_optimizer_bytes=host_optimizer_bytes,
+        host_master_bytes=held.host_master,
+        host_optimizer_bytes=held.host_optimizer,
     )

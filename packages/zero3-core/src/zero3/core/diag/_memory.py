@@ -358,6 +358,91 @@ def _window_estimate(
     return window, buffers
 
 
+def _optimizer_states(optimizer: str | float) -> float:
+    """fp32 state values per element: ``optimizer`` by name or as a number."""
+    if not isinstance(optimizer, str):
+        return float(optimizer)
+    if optimizer.lower() not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"estimate_model_states: unknown optimizer {optimizer!r}; give one of "
+            f"{sorted(OPTIMIZER_STATES)} or the fp32 values it keeps per element"
+        )
+    return OPTIMIZER_STATES[optimizer.lower()]
+
+
+class _Tally:
+    """Bytes per rank, added up parameter by parameter (estimate_model_states)."""
+
+    def __init__(self, world_size: int, config: Zero3Config, device_type: str) -> None:
+        self.world_size = world_size
+        self.config = config
+        self.held = {"param": 0, "grad": 0, "master": 0, "optimizer": 0}
+        self.unsharded = 0  # the same model in one process
+        self.kept = 0  # shard elements offload_param's max_in_cpu keeps in memory
+        self.param_nvme = 0  # shard bytes swapped out to NVMe
+        self.host_param = 0  # shard bytes in host memory (parameter offload to the CPU)
+        self.host_fp32_master = 0  # host masters of offloaded fp32 shards
+        self.accelerator = device_type != "cpu"
+        self.swapping = config.offload_param.device == "nvme"
+        self.to_host = self.accelerator and config.offload_param.device == "cpu"
+        self.offloaded = config.offload_param.moves_shards(device_type)
+
+    def add(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        reduce_dtype: torch.dtype | None,
+        trainable: bool,
+        states: float,
+    ) -> None:
+        """Count one parameter of ``numel`` elements sharded in ``dtype``."""
+        world_size, held = self.world_size, self.held
+        el = torch.empty((), dtype=dtype).element_size()
+        grad_el = torch.empty((), dtype=reduce_dtype or dtype).element_size()
+        shard = -(-numel // world_size)
+        whole = is_persistent(numel, world_size, self.config, offloaded=self.offloaded)
+        if world_size == 1 and whole:  # the "shard" is the parameter itself
+            held["param"] += numel * el
+        else:  # a persistent parameter keeps its shard and its whole self
+            held["param"] += shard * el + (numel * el if whole else 0)
+        self.unsharded += numel * el
+        max_in_cpu = self.config.offload_param.max_in_cpu
+        swapped = self.swapping and not whole and self.kept + shard > max_in_cpu
+        if swapped:
+            held["param"] -= shard * el
+            self.param_nvme += shard * el
+        elif self.swapping and not whole:
+            self.kept += shard
+        if self.to_host and not whole:
+            held["param"] -= shard * el
+            self.host_param += shard * el
+        if not trainable:
+            return
+        held["grad"] += shard * grad_el if world_size > 1 else numel * grad_el
+        aliased = dtype == torch.float32 and not swapped and not (self.to_host and not whole)
+        held["master"] += 0 if aliased else shard * 4
+        offload = self.config.offload_optimizer
+        if aliased and self.accelerator and offload.enabled:
+            self.host_fp32_master += int(shard * 4 * offload.ratio)
+        held["optimizer"] += int(min(shard, numel) * states * 4)
+        self.unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
+        self.unsharded += int(numel * states * 4)
+
+    def optimizer_offload(self) -> dict[str, int]:
+        """Master and optimizer-state bytes optimizer offload moves out of ``held``
+        (taken out of it where they leave the device's memory), host masters included.
+        """
+        offload = self.config.offload_optimizer
+        moved = {"master": 0, "optimizer": 0}
+        if offload.device in ("cpu", "nvme"):
+            moved = {k: int(self.held[k] * offload.ratio) for k in moved}
+        if offload.device == "nvme" or self.accelerator:  # out of (device) memory
+            self.held["master"] -= moved["master"]
+            self.held["optimizer"] -= moved["optimizer"]
+        moved["master"] += self.host_fp32_master
+        return moved
+
+
 def estimate_model_states(
     model: nn.Module | int,
     world_size: int,
@@ -400,79 +485,29 @@ def estimate_model_states(
     config = config or Zero3Config()
     if world_size < 1:
         raise ValueError(f"estimate_model_states: world_size must be >= 1, got {world_size}")
-    if isinstance(optimizer, str):
-        if optimizer.lower() not in OPTIMIZER_STATES:
-            raise ValueError(
-                f"estimate_model_states: unknown optimizer {optimizer!r}; give one of "
-                f"{sorted(OPTIMIZER_STATES)} or the fp32 values it keeps per element"
-            )
-        states = OPTIMIZER_STATES[optimizer.lower()]
-    else:
-        states = float(optimizer)
+    states = _optimizer_states(optimizer)
     params, largest = _param_list(model)
     param_dtype = param_dtype or config.param_dtype
-    reduce_dtype = reduce_dtype or config.reduce_dtype
-    held = {"param": 0, "grad": 0, "master": 0, "optimizer": 0}
-    unsharded = 0
-    swapping = config.offload_param.device == "nvme"
-    kept = param_nvme = 0  # shard elements max_in_cpu keeps; shard bytes swapped out
-    offload = config.offload_optimizer
-    accelerator = torch.device(device).type != "cpu"
-    to_host = accelerator and config.offload_param.device == "cpu"
-    offloaded = config.offload_param.moves_shards(torch.device(device).type)
-    host_param = host_fp32_master = 0  # shards in host memory; offloaded fp32 shards' masters
+    tally = _Tally(world_size, config, torch.device(device).type)
     for numel, own_dtype, trainable in params:
         dtype = param_dtype or own_dtype
-        el = torch.empty((), dtype=dtype).element_size()
-        grad_el = torch.empty((), dtype=reduce_dtype or dtype).element_size()
-        shard = -(-numel // world_size)
-        whole = is_persistent(numel, world_size, config, offloaded=offloaded)
-        if world_size == 1 and whole:  # the "shard" is the parameter itself
-            held["param"] += numel * el
-        else:  # a persistent parameter keeps its shard and its whole self
-            held["param"] += shard * el + (numel * el if whole else 0)
-        unsharded += numel * el
-        swapped = swapping and not whole and kept + shard > config.offload_param.max_in_cpu
-        if swapped:
-            held["param"] -= shard * el
-            param_nvme += shard * el
-        elif swapping and not whole:
-            kept += shard
-        if to_host and not whole:
-            held["param"] -= shard * el
-            host_param += shard * el
-        if not trainable:
-            continue
-        local = min(shard, numel)
-        held["grad"] += shard * grad_el if world_size > 1 else numel * grad_el
-        aliased = dtype == torch.float32 and not swapped and not (to_host and not whole)
-        held["master"] += 0 if aliased else shard * 4
-        if aliased and accelerator and offload.enabled:
-            host_fp32_master += int(shard * 4 * offload.ratio)
-        held["optimizer"] += int(local * states * 4)
-        unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
-        unsharded += int(numel * states * 4)
+        tally.add(numel, dtype, reduce_dtype or config.reduce_dtype, trainable, states)
     el = max(
         (torch.empty((), dtype=param_dtype or d).element_size() for _, d, _ in params), default=4
     )
-    window, buffers = _window_estimate(model, world_size, config, el, offloaded)
-    moved = {"master": 0, "optimizer": 0}
-    if offload.device in ("cpu", "nvme"):
-        moved = {k: int(held[k] * offload.ratio) for k in moved}
-    if offload.device == "nvme" or accelerator:  # out of (device) memory
-        held["master"] -= moved["master"]
-        held["optimizer"] -= moved["optimizer"]
-    moved["master"] += host_fp32_master
+    window, buffers = _window_estimate(model, world_size, config, el, tally.offloaded)
+    held, moved = tally.held, tally.optimizer_offload()
+    offload = config.offload_optimizer.device
     return ModelStatesEstimate(
-        nvme_bytes=(sum(moved.values()) if offload.device == "nvme" else 0) + param_nvme,
-        host_bytes=(sum(moved.values()) if offload.device == "cpu" else 0) + host_param,
+        nvme_bytes=(sum(moved.values()) if offload == "nvme" else 0) + tally.param_nvme,
+        host_bytes=(sum(moved.values()) if offload == "cpu" else 0) + tally.host_param,
         world_size=world_size,
         numel=sum(n for n, _, _ in params),
         param_bytes=held["param"],
         grad_bytes=held["grad"],
         master_bytes=held["master"],
         optimizer_bytes=held["optimizer"],
-        unsharded_bytes=unsharded,
+        unsharded_bytes=tally.unsharded,
         largest_module_bytes=largest,
         window=window,
         window_bytes=window.bound_bytes if window else 0,

@@ -153,7 +153,7 @@ class ShardedModelState:
         swap = self.param_swap
         self.coordinator.shard_home = swap if swap is not None else self.host_shards
         # Parameter index -> the optimizer stepping it (each parameter at most one).
-        self._optimizer_of: dict[int, object] = {}
+        self._optimizer_of: dict[int, torch.optim.Optimizer] = {}
         #: ``generate``'s stopping votes across ranks.
         self.votes = StopVotes(comm, self.guard, self.step, self.stats)
         self._trims_heap = config.trims_host_heap  # resolved once: the config is frozen
@@ -485,7 +485,7 @@ class ShardedModelState:
 
     # -- the optimizer's side (zero3.optim drives these) ----------------------------------
 
-    def claim(self, params: Iterable[ShardedParam], optimizer: object) -> None:
+    def claim(self, params: Iterable[ShardedParam], optimizer: torch.optim.Optimizer) -> None:
         """Record that ``optimizer`` steps ``params``; each parameter has one optimizer.
 
         Raises:
@@ -503,9 +503,9 @@ class ShardedModelState:
         for sp in params:
             self._optimizer_of[sp.index] = optimizer
 
-    def optimizers(self) -> list[object]:
+    def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers that claimed parameters of this model, in claiming order."""
-        found: list[object] = []
+        found: list[torch.optim.Optimizer] = []
         for optimizer in self._optimizer_of.values():
             if not any(optimizer is seen for seen in found):
                 found.append(optimizer)
