@@ -87,6 +87,8 @@ def test_user_script_without_cleanup_exits_zero(tmp_path, user_script):
     assert "terminate called" not in err, err[-4000:]  # gloo's abort at finalization
     assert returncode == 0, out + err[-4000:]
     assert out.count("done:") == 2, out  # both ranks ran the script to its end
+    if user_script == CHECKPOINT_SCRIPT:  # the save nobody waited for was published
+        assert (tmp_path / "async" / ".metadata").is_file(), sorted(tmp_path.rglob("*"))
 
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC_")
