@@ -377,7 +377,7 @@ class _Tally:
         self.world_size = world_size
         self.config = config
         self.held = {"param": 0, "grad": 0, "master": 0, "optimizer": 0}
-        self.unsharded = 0  # the same model in one process
+        self.one_process_bytes = 0  # the same model in one process
         self.kept = 0  # shard elements offload_param's max_in_cpu keeps in memory
         self.param_nvme = 0  # shard bytes swapped out to NVMe
         self.host_param = 0  # shard bytes in host memory (parameter offload to the CPU)
@@ -405,7 +405,7 @@ class _Tally:
             held["param"] += numel * el
         else:  # a persistent parameter keeps its shard and its whole self
             held["param"] += shard * el + (numel * el if whole else 0)
-        self.unsharded += numel * el
+        self.one_process_bytes += numel * el
         max_in_cpu = self.config.offload_param.max_in_cpu
         swapped = self.swapping and not whole and self.kept + shard > max_in_cpu
         if swapped:
@@ -425,8 +425,8 @@ class _Tally:
         if aliased and self.accelerator and offload.enabled:
             self.host_fp32_master += int(shard * 4 * offload.ratio)
         held["optimizer"] += int(min(shard, numel) * states * 4)
-        self.unsharded += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
-        self.unsharded += int(numel * states * 4)
+        self.one_process_bytes += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
+        self.one_process_bytes += int(numel * states * 4)
 
     def optimizer_offload(self) -> dict[str, int]:
         """Master and optimizer-state bytes optimizer offload moves out of ``held``
@@ -507,7 +507,7 @@ def estimate_model_states(
         grad_bytes=held["grad"],
         master_bytes=held["master"],
         optimizer_bytes=held["optimizer"],
-        unsharded_bytes=tally.unsharded,
+        unsharded_bytes=tally.one_process_bytes,
         largest_module_bytes=largest,
         window=window,
         window_bytes=window.bound_bytes if window else 0,
