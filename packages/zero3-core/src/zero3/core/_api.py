@@ -190,17 +190,16 @@ class _OptimizerHeld:
         )
 
 
-def _unsharded_bytes(state: ShardedModelState, held: _OptimizerHeld) -> int:
-    """The same model state in one unsharded process: parameters, gradients, separate
-    fp32 masters where the optimizers keep them, and optimizer state per element as
-    the optimizers hold it.
+def _unsharded_bytes(state: ShardedModelState, held: _OptimizerHeld, numel: int, el: int) -> int:
+    """The same model state in one unsharded process: ``numel`` parameter elements of
+    ``el`` bytes, gradients, separate fp32 masters where the optimizers keep them, and
+    optimizer state per element as the optimizers hold it.
     """
     sps = state.params
     trainable = sum(sp.numel for sp in sps if sp.requires_grad)
-    el = max((sp.param.element_size() for sp in sps), default=4)
     reduce_dtype = state.config.reduce_dtype
     grad_el = torch.empty((), dtype=reduce_dtype).element_size() if reduce_dtype else el
-    unsharded = sum(sp.numel for sp in sps) * el + trainable * grad_el
+    unsharded = numel * el + trainable * grad_el
     # A separate fp32 master is part of the one-process state only for other dtypes
     # (parameter offload keeps an fp32 parameter's master apart from its shard too).
     if (held.master or held.nvme_master or held.host_master) and any(
@@ -232,7 +231,9 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     grad_bytes = storage_bytes(state.reducer.grad_buffers())
     optimizers = [optimizer] if optimizer is not None else state.optimizers()
     held = _OptimizerHeld.count(optimizers, shards, on_device)
-    unsharded = _unsharded_bytes(state, held)
+    psi = sum(sp.numel for sp in sps)
+    el = max((sp.param.element_size() for sp in sps), default=4)
+    unsharded = _unsharded_bytes(state, held, psi, el)
     gathered = sum(
         sp.numel * sp.param.element_size()
         for sp in sps
@@ -240,15 +241,14 @@ def memory_stats(module: nn.Module, optimizer: torch.optim.Optimizer | None = No
     )
     return MemoryStats(
         world_size=state.comm.world_size,
-        numel=sum(sp.numel for sp in sps),
+        numel=psi,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         master_bytes=held.master,
         optimizer_bytes=held.optimizer,
         unsharded_bytes=unsharded,
         gathered_bytes=gathered,
-        peak_gathered_bytes=state.stats.peak_live_numel
-        * max((sp.param.element_size() for sp in sps), default=4),
+        peak_gathered_bytes=state.stats.peak_live_numel * el,
         pool_bytes=state.pool.cached_bytes,
         peak_rss_bytes=peak_rss_bytes(),
         window=state.window,

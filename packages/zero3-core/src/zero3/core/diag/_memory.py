@@ -428,9 +428,10 @@ class _Tally:
         self.one_process_bytes += numel * grad_el + (0 if dtype == torch.float32 else numel * 4)
         self.one_process_bytes += int(numel * states * 4)
 
-    def optimizer_offload(self) -> dict[str, int]:
-        """Master and optimizer-state bytes optimizer offload moves out of ``held``
-        (taken out of it where they leave the device's memory), host masters included.
+    def apply_optimizer_offload(self) -> dict[str, int]:
+        """Take what optimizer offload moves out of ``held`` where it leaves the device's
+        memory, and return the master and optimizer-state bytes it moves, host masters
+        included. Called once, after every parameter was added.
         """
         offload = self.config.offload_optimizer
         moved = {"master": 0, "optimizer": 0}
@@ -488,15 +489,16 @@ def estimate_model_states(
     states = _optimizer_states(optimizer)
     params, largest = _param_list(model)
     param_dtype = param_dtype or config.param_dtype
+    reduce_dtype = reduce_dtype or config.reduce_dtype
     tally = _Tally(world_size, config, torch.device(device).type)
     for numel, own_dtype, trainable in params:
-        dtype = param_dtype or own_dtype
-        tally.add(numel, dtype, reduce_dtype or config.reduce_dtype, trainable, states)
+        tally.add(numel, param_dtype or own_dtype, reduce_dtype, trainable, states)
     el = max(
         (torch.empty((), dtype=param_dtype or d).element_size() for _, d, _ in params), default=4
     )
     window, buffers = _window_estimate(model, world_size, config, el, tally.offloaded)
-    held, moved = tally.held, tally.optimizer_offload()
+    moved = tally.apply_optimizer_offload()
+    held = tally.held
     offload = config.offload_optimizer.device
     return ModelStatesEstimate(
         nvme_bytes=(sum(moved.values()) if offload == "nvme" else 0) + tally.param_nvme,

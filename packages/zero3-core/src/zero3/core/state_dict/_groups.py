@@ -74,20 +74,19 @@ def checkpoint_group(module: nn.Module) -> dist.ProcessGroup | None:
     ranks = tuple(global_ranks(state))
     world = dist.group.WORLD
     cached = _GROUPS.get(ranks)
-    if cached is not None and cached[0]() is world and _usable(cached[1]()):
-        return cached[1]()
+    group = cached[1]() if cached is not None and cached[0]() is world else None
+    if group is not None and _usable(group):
+        return group
     group = _new_gloo_group(state, ranks)
     _GROUPS[ranks] = (weakref.ref(world), weakref.ref(group))
     return group
 
 
-def _usable(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` is alive and not destroyed (torch forgets a destroyed group)."""
-    if group is None:
-        return False
+def _usable(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is not destroyed (torch forgets a destroyed group)."""
     try:
         dist.get_process_group_ranks(group)
-    except (KeyError, ValueError, RuntimeError):
+    except KeyError:  # torch's map no longer has it
         return False
     return True
 
